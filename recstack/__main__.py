@@ -1,0 +1,7 @@
+"""``python -m recstack ...`` (also what ``torchrun -m recstack`` runs)."""
+
+import sys
+
+from recstack.cli import main
+
+sys.exit(main())

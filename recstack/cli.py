@@ -1,0 +1,130 @@
+"""The one command line: ``recstack train | eval | predict | data prepare | data synth``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from recstack import train as train_cmd
+from recstack.config import ConfigError
+
+
+def _cmd_eval(args: argparse.Namespace) -> None:
+    from recstack.data.format import PreparedDataset
+    from recstack.inference import evaluate, load_model
+
+    cfg, model = load_model(args.checkpoint)
+    data = args.data or cfg.data.eval or cfg.data.train
+    if not data:
+        raise SystemExit("eval: no data set given (--data DIR)")
+    print(json.dumps(evaluate(cfg, model, PreparedDataset(data), args.batch_size), indent=2))
+
+
+def _cmd_predict(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from recstack.data.format import PreparedDataset
+    from recstack.inference import load_model, predict_logits
+
+    cfg, model = load_model(args.checkpoint)
+    logits, labels = predict_logits(cfg, model, PreparedDataset(args.data), args.batch_size)
+    prob = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".npy":
+        np.save(out, prob.astype(np.float32))
+    else:  # CSV: row, score, label
+        with open(out, "w") as f:
+            f.write("row,score,label\n")
+            for i, (p, y) in enumerate(zip(prob, labels, strict=True)):
+                f.write(f"{i},{p:.7g},{int(y)}\n")
+    print(f"wrote {len(prob)} scores to {out}")
+
+
+def _cmd_prepare(args: argparse.Namespace) -> None:
+    from recstack.data.criteo import prepare_criteo, sort_day_files
+
+    inputs: list[Path] = []
+    for name in args.inputs:
+        p = Path(name)
+        inputs.extend(sort_day_files([q for q in p.iterdir() if q.is_file()]) if p.is_dir() else [p])
+    report = prepare_criteo(
+        inputs, Path(args.out), max_ind_range=args.max_ind_range, vocab_min_freq=args.vocab_min_freq,
+        skip_bad_rows=args.skip_bad_rows, overwrite=args.overwrite,
+    )
+    print(f"prepared {report.rows} rows into {args.out} ({report.rows_per_sec:,.0f} rows/s)")
+    if report.skipped:
+        print(f"skipped {report.skipped} bad rows, first ones:")
+        for where in report.bad_rows[:20]:
+            print(f"  {where}")
+
+
+def _cmd_synth(args: argparse.Namespace) -> None:
+    from recstack.config import parse_override
+    from recstack.data.synth import SynthConfig, generate
+
+    values: dict = {"rows": args.rows, "seed": args.seed}
+    for text in args.overrides:
+        keys, value = parse_override(text)
+        values[keys[-1]] = value
+    try:
+        cfg = SynthConfig(**values)
+    except TypeError as e:
+        raise ConfigError(f"data synth: {e}") from e
+    out = generate(cfg, Path(args.out), overwrite=args.overwrite)
+    print(f"wrote {cfg.rows} synthetic rows to {out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="recstack", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model from a TOML config")
+    train_cmd.add_arguments(t)
+    t.set_defaults(func=train_cmd.run)
+
+    for name, func in (("eval", _cmd_eval), ("predict", _cmd_predict)):
+        e = sub.add_parser(name, help=f"{name} with a trained checkpoint")
+        e.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
+        e.add_argument("--data", required=name == "predict", help="prepared data directory")
+        e.add_argument("--batch-size", type=int, default=16384)
+        if name == "predict":
+            e.add_argument("--out", required=True, help="scores file: .npy (probabilities) or .csv")
+        e.set_defaults(func=func)
+
+    data = sub.add_parser("data", help="prepare or generate data sets").add_subparsers(dest="data_command",
+                                                                                      required=True)
+    pr = data.add_parser("prepare", help="Criteo raw TSV (plain or .gz) -> prepared format")
+    pr.add_argument("inputs", nargs="+", help="raw files or directories of day files, in time order")
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--max-ind-range", type=int, help="hash categorical values into this many rows")
+    pr.add_argument("--vocab-min-freq", type=int, help="vocabulary of values seen at least this often")
+    pr.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows and report them")
+    pr.add_argument("--overwrite", action="store_true")
+    pr.set_defaults(func=_cmd_prepare)
+
+    sy = data.add_parser("synth", help="generate a synthetic Criteo-shaped click log")
+    sy.add_argument("--out", required=True)
+    sy.add_argument("--rows", type=int, default=100_000)
+    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a generator option (see SynthConfig), e.g. --set drift=0.5")
+    sy.add_argument("--overwrite", action="store_true")
+    sy.set_defaults(func=_cmd_synth)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"recstack {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Typed configuration: dataclasses, TOML files, and ``--set section.key=value`` overrides.
+
+A config file mirrors the dataclasses: ``[data]``, ``[model]``, ``[optim]``, ``[train]`` tables. Unknown keys
+and values of the wrong type are errors that name the file and the key, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config file or override names an unknown key or gives a value of the wrong type."""
+
+
+@dataclass
+class DataConfig:
+    """Where training and evaluation rows come from.
+
+    ``train``/``eval`` are prepared directories (``recstack data prepare`` / ``recstack data synth``). When
+    ``eval`` is empty, the last ``eval_fraction`` of the training rows (the latest in time) are held out.
+    A non-empty ``[data.synth]`` table generates a synthetic set into ``<output_dir>/data`` (or ``train``
+    when given) before training, with those generator options (see ``recstack.data.synth.SynthConfig``).
+    """
+
+    train: str = ""
+    eval: str = ""
+    eval_fraction: float = 0.1
+    synth: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelConfig:
+    """DLRM architecture. ``bottom_mlp`` ends in ``embedding_dim`` for the dot interaction; ``top_mlp``
+    ends in 1 (a logit). ``max_table_size`` caps every table's rows (0 = no cap); ids are taken modulo it."""
+
+    embedding_dim: int = 16
+    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
+    top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
+    interaction: str = "dot"  # dot | cat | dcn
+    interaction_itself: bool = False
+    dcn_layers: int = 3
+    dcn_low_rank: int = 512
+    max_table_size: int = 0
+
+
+@dataclass
+class OptimConfig:
+    """Dense part: ``dense`` in sgd | adagrad | adam. Embeddings: ``sparse`` in sgd | rowwise_adagrad,
+    applied inside backward (no dense table gradient is built)."""
+
+    dense: str = "sgd"
+    dense_lr: float = 0.1
+    sparse: str = "sgd"
+    sparse_lr: float = 0.1
+    eps: float = 1e-8
+    adagrad_init: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 128
+    epochs: int = 1
+    max_steps: int = 0  # 0 = as many as the epochs give
+    eval_every: int = 0  # steps; 0 = only at the end
+    eval_batch_size: int = 16384
+    log_every: int = 50
+    checkpoint_every: int = 0  # steps; 0 = only the final checkpoint
+    keep_checkpoints: int = 3
+    shuffle: bool = False  # shuffle batch order per epoch (rows inside a batch stay contiguous)
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    """Return ``value`` converted to ``tp`` (int -> float allowed) or raise ConfigError naming ``where``."""
+    origin = typing.get_origin(tp)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if type(value) is not tp:
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        return [_check_type(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if origin in (typing.Union, types.UnionType):
+        for alt in typing.get_args(tp):
+            try:
+                return _check_type(value, alt, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {value!r} matches none of {tp}")
+    return value
+
+
+def _fill(obj: Any, values: dict[str, Any], where: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"{where}: unknown key {key!r} (valid: {', '.join(sorted(names))})")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}.{key}: expected a table")
+            _fill(current, value, f"{where}.{key}")
+        else:
+            setattr(obj, key, _check_type(value, hints[key], f"{where}.{key}"))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"model.embedding_dim=32"`` -> (["model", "embedding_dim"], 32). Values are TOML literals; anything
+    that is not one (``train.device=cpu``) is taken as a string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file, then each ``section.key=value`` override in order."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found")
+        try:
+            values = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: invalid TOML: {e}") from e
+        _fill(cfg, values, str(p))
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        nested: dict[str, Any] = {keys[-1]: value}
+        for k in reversed(keys[:-1]):
+            nested = {k: nested}
+        _fill(cfg, nested, f"--set {text}")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(values: dict[str, Any]) -> Config:
+    cfg = Config()
+    _fill(cfg, values, "config")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that the type system cannot express."""
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    choices = {
+        "model.interaction": (m.interaction, ("dot", "cat", "dcn")),
+        "optim.dense": (o.dense, ("sgd", "adagrad", "adam")),
+        "optim.sparse": (o.sparse, ("sgd", "rowwise_adagrad")),
+    }
+    for where, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(allowed)}")
+    if m.embedding_dim <= 0:
+        raise ConfigError("model.embedding_dim: must be positive")
+    if not m.top_mlp or m.top_mlp[-1] != 1:
+        raise ConfigError(f"model.top_mlp: must end in 1 (a logit), got {m.top_mlp}")
+    if m.interaction == "dot" and m.bottom_mlp and m.bottom_mlp[-1] != m.embedding_dim:
+        raise ConfigError(
+            f"model.bottom_mlp: the dot interaction needs it to end in embedding_dim={m.embedding_dim}, "
+            f"got {m.bottom_mlp}"
+        )
+    if t.batch_size <= 0 or t.eval_batch_size <= 0:
+        raise ConfigError("train.batch_size and train.eval_batch_size: must be positive")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")

@@ -1,0 +1,102 @@
+"""The one batch type every model, trainer and sharding path consumes.
+
+Sparse ids are stored feature-major and jagged, like TorchRec's KeyedJaggedTensor: all ids of feature 0
+(sample 0, 1, ..., B-1), then all ids of feature 1, and so on. ``offsets`` marks bag boundaries, so bag
+``f * B + b`` (feature f, sample b) holds ``ids[offsets[f*B+b] : offsets[f*B+b+1]]``. Feature-major order
+lets a sharded collection cut the id stream by feature (table-wise) with one slice per feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SparseFeatures:
+    """Jagged sparse ids for ``num_features`` features of ``batch_size`` samples.
+
+    ids:     [N] int64, feature-major.
+    offsets: [F * B + 1] int64, non-decreasing, offsets[0] == 0, offsets[-1] == N.
+    weights: optional [N] float32 per-id weights (weighted sum pooling).
+    """
+
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    num_features: int
+    weights: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return (self.offsets.numel() - 1) // self.num_features
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[F * B] bag sizes."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @staticmethod
+    def from_dense_ids(ids: torch.Tensor | np.ndarray) -> SparseFeatures:
+        """One id per (sample, feature): ids [B, F] -> feature-major jagged form."""
+        ids_t = torch.as_tensor(np.asarray(ids) if isinstance(ids, np.ndarray) else ids)
+        b, f = ids_t.shape
+        flat = ids_t.t().reshape(-1).to(torch.int64)  # [F * B], feature-major
+        return SparseFeatures(flat, torch.arange(b * f + 1, dtype=torch.int64), f)
+
+    def feature_slice(self, start: int, end: int) -> SparseFeatures:
+        """Features [start, end) as their own SparseFeatures (shares storage where possible)."""
+        b = self.batch_size
+        lo, hi = int(self.offsets[start * b]), int(self.offsets[end * b])
+        offsets = self.offsets[start * b : end * b + 1] - lo
+        w = self.weights[lo:hi] if self.weights is not None else None
+        return SparseFeatures(self.ids[lo:hi], offsets, end - start, w)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseFeatures:
+        w = self.weights.to(device, non_blocking=non_blocking) if self.weights is not None else None
+        return SparseFeatures(
+            self.ids.to(device, non_blocking=non_blocking),
+            self.offsets.to(device, non_blocking=non_blocking),
+            self.num_features,
+            w,
+        )
+
+
+@dataclass
+class Batch:
+    """dense [B, n_dense] float32, sparse (F features), labels [B] float32 in {0, 1} (or soft).
+
+    ``extras`` carries optional per-sample columns ([B] tensors) such as ``example_id``, ``vertical``,
+    ``timestamp`` or a teacher's ``fm_logit``; models ignore what they do not use.
+    """
+
+    dense: torch.Tensor
+    sparse: SparseFeatures
+    labels: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.labels.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(
+            self.dense.to(device, non_blocking=non_blocking),
+            self.sparse.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+            {k: v.to(device, non_blocking=non_blocking) for k, v in self.extras.items()},
+        )
+
+    def pin_memory(self) -> Batch:
+        s = self.sparse
+        w = s.weights.pin_memory() if s.weights is not None else None
+        return Batch(
+            self.dense.pin_memory(),
+            SparseFeatures(s.ids.pin_memory(), s.offsets.pin_memory(), s.num_features, w),
+            self.labels.pin_memory(),
+            {k: v.pin_memory() for k, v in self.extras.items()},
+        )
+
+
+__all__ = ["Batch", "SparseFeatures"]

@@ -1,0 +1,12 @@
+"""Embedding tables: the collection interface, its single-device fused implementation, sparse optimizers."""
+
+from recstack.embedding.collection import EmbeddingCollection, FusedEmbeddingBagCollection, TableConfig
+from recstack.embedding.sparse_optim import SparseOptimizer, SparseOptimizerConfig
+
+__all__ = [
+    "EmbeddingCollection",
+    "FusedEmbeddingBagCollection",
+    "SparseOptimizer",
+    "SparseOptimizerConfig",
+    "TableConfig",
+]

@@ -1,0 +1,69 @@
+"""Load a trained model from a checkpoint and evaluate or score a prepared data set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from recstack.checkpoint import latest_checkpoint, load_checkpoint
+from recstack.config import Config, config_from_dict
+from recstack.data.format import PreparedDataset
+from recstack.data.loader import BatchLoader
+from recstack.metrics import BinaryMetrics
+from recstack.models.build import build_model
+from recstack.models.dlrm import DLRM
+
+
+def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tuple[Config, DLRM]:
+    """A checkpoint file, or a run/checkpoint directory (its newest valid checkpoint) -> (config, model)."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        state = latest_checkpoint(ckpt_dir, device)
+        if state is None:
+            raise FileNotFoundError(f"{path}: no loadable checkpoint")
+    else:
+        state = load_checkpoint(path, device)
+    cfg = config_from_dict(state["config"])
+    model = build_model(cfg, state["num_dense"], state["table_sizes"], device, state.get("table_names"))
+    model.load_state_dict(state["model"])
+    model.eval()
+    return cfg, model
+
+
+def _loader(cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int) -> BatchLoader:
+    sizes = [t.num_embeddings for t in model.embeddings.tables]
+    if len(data.sparse_features) != len(sizes) or len(data.dense_features) != model.num_dense:
+        raise ValueError(
+            f"{data.path}: {len(data.dense_features)} dense / {len(data.sparse_features)} sparse features, "
+            f"the model expects {model.num_dense} / {len(sizes)}"
+        )
+    caps = sizes if cfg.model.max_table_size > 0 else None
+    return BatchLoader(data, batch_size, drop_last=False, table_caps=caps)
+
+
+@torch.no_grad()
+def predict_logits(
+    cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int = 16384, progress: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """-> (logits [N] float32, labels [N] float32) over every row of ``data``, in row order."""
+    device = next(model.parameters()).device
+    loader = _loader(cfg, model, data, batch_size)
+    logits, labels = [], []
+    for batch in tqdm(loader.iterate_epoch(), total=len(loader), disable=not progress, unit="batch"):
+        batch = batch.to(device)
+        logits.append(model(batch).float().cpu())
+        labels.append(batch.labels.cpu())
+    if not logits:
+        return np.zeros(0, np.float32), np.zeros(0, np.float32)
+    return torch.cat(logits).numpy(), torch.cat(labels).numpy()
+
+
+def evaluate(cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int = 16384) -> dict[str, float]:
+    logits, labels = predict_logits(cfg, model, data, batch_size)
+    m = BinaryMetrics()
+    m.update(torch.from_numpy(logits), torch.from_numpy(labels))
+    return m.compute()

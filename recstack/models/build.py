@@ -1,0 +1,47 @@
+"""Build a DLRM and its optimizers from a Config and the data set's shape."""
+
+from __future__ import annotations
+
+import torch
+
+from recstack.config import Config
+from recstack.embedding import FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
+from recstack.models.dlrm import DLRM
+
+
+def capped_table_sizes(table_sizes: list[int], max_table_size: int) -> list[int]:
+    """Rows per table after ``model.max_table_size`` (0 = no cap)."""
+    return [min(n, max_table_size) if max_table_size > 0 else n for n in table_sizes]
+
+
+def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = None) -> list[TableConfig]:
+    names = names or [f"t{i}" for i in range(len(table_sizes))]
+    return [TableConfig(names[i], n, dim, (i,)) for i, n in enumerate(table_sizes)]
+
+
+def sparse_optimizer_config(cfg: Config) -> SparseOptimizerConfig:
+    o = cfg.optim
+    return SparseOptimizerConfig(o.sparse, o.sparse_lr, o.eps, o.adagrad_init)
+
+
+def build_model(
+    cfg: Config,
+    num_dense: int,
+    table_sizes: list[int],
+    device: torch.device | str = "cpu",
+    names: list[str] | None = None,
+) -> DLRM:
+    """Dense layers are initialised from torch's global RNG (seeded by the caller), tables from per-table
+    generators (seeded by ``train.seed``), so the same seed gives the same model on any placement."""
+    tables = table_configs(table_sizes, cfg.model.embedding_dim, names)
+    emb = FusedEmbeddingBagCollection(tables, sparse_optimizer_config(cfg), seed=cfg.train.seed, device=device)
+    return DLRM(cfg.model, num_dense, emb).to(device)
+
+
+def build_dense_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    o = cfg.optim
+    if o.dense == "sgd":
+        return torch.optim.SGD(params, lr=o.dense_lr)
+    if o.dense == "adagrad":
+        return torch.optim.Adagrad(params, lr=o.dense_lr, eps=o.eps, initial_accumulator_value=o.adagrad_init)
+    return torch.optim.Adam(params, lr=o.dense_lr)

@@ -1,0 +1,239 @@
+"""The training loop: one Trainer for a fixed data set, resumable at any step.
+
+Steps: read a batch -> forward -> BCE loss -> backward (embedding rows are updated inside backward by the
+collection's fused optimizer) -> dense optimizer step. Metrics go to ``metrics.jsonl`` and TensorBoard,
+checkpoints to ``<output_dir>/checkpoints``, the final evaluation to ``summary.json`` and ``curves.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from recstack.checkpoint import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from recstack.config import Config
+from recstack.data.format import PreparedDataset
+from recstack.data.loader import BatchLoader, LoaderPosition
+from recstack.logger import MetricsLogger
+from recstack.metrics import BinaryMetrics, auc
+from recstack.models.build import build_dense_optimizer, build_model, capped_table_sizes
+from recstack.models.dlrm import DLRM
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def prepare_data(cfg: Config, output_dir: Path | None) -> tuple[PreparedDataset, PreparedDataset, tuple[int, int]]:
+    """-> (train set, eval set, eval row range). Generates the synthetic set first when ``[data.synth]``."""
+    d = cfg.data
+    train_path = d.train
+    if d.synth:
+        from recstack.data.synth import SynthConfig, generate
+
+        if not train_path:
+            if output_dir is None:
+                raise ValueError("data.synth needs data.train or an output directory to write into")
+            train_path = str(output_dir / "data")
+        if not (Path(train_path) / "meta.json").is_file():
+            generate(SynthConfig(**d.synth), Path(train_path), progress=cfg.train.progress)
+    if not train_path:
+        raise ValueError("data.train: no training data given (a prepared directory, or a [data.synth] table)")
+    train = PreparedDataset(train_path)
+    if d.eval:
+        ev = PreparedDataset(d.eval)
+        return train, ev, (0, len(ev))
+    n_eval = int(len(train) * d.eval_fraction)
+    return train, train, (len(train) - n_eval, len(train))
+
+
+class Trainer:
+    def __init__(self, cfg: Config, output_dir: str | Path | None = None, resume: bool = False) -> None:
+        self.cfg = cfg
+        t = cfg.train
+        if t.threads > 0:
+            torch.set_num_threads(t.threads)
+        seed_everything(t.seed)
+        self.device = resolve_device(t.device)
+        self.output_dir = Path(output_dir) if output_dir else None
+        if self.output_dir:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        self.train_ds, self.eval_ds, eval_range = prepare_data(cfg, self.output_dir)
+        if self.eval_ds is self.train_ds:
+            train_range = (0, eval_range[0])
+        else:
+            train_range = (0, len(self.train_ds))
+        self.num_dense = len(self.train_ds.dense_features)
+        self.table_sizes = capped_table_sizes(self.train_ds.table_sizes, cfg.model.max_table_size)
+        caps = self.table_sizes if cfg.model.max_table_size > 0 else None
+        self.train_loader = BatchLoader(
+            self.train_ds, t.batch_size, train_range, shuffle=t.shuffle, seed=t.seed, table_caps=caps
+        )
+        if len(self.train_loader) == 0:
+            raise ValueError(
+                f"{self.train_ds.path}: {train_range[1] - train_range[0]} training rows give no full batch "
+                f"of {t.batch_size}"
+            )
+        self.eval_loader = BatchLoader(
+            self.eval_ds, t.eval_batch_size, eval_range, drop_last=False, table_caps=caps,
+            extras=("probability",),
+        )
+        self.model: DLRM = build_model(
+            cfg, self.num_dense, self.table_sizes, self.device, [s.name for s in self.train_ds.sparse_features]
+        )
+        self.optimizer = build_dense_optimizer(cfg, self.model.dense_parameters())
+        self.total_steps = t.max_steps or t.epochs * len(self.train_loader)
+        self.step = 0
+        self.samples = 0
+        self.train_seconds = 0.0
+        self.logger = MetricsLogger(self.output_dir)
+        self.ckpt_dir = self.output_dir / "checkpoints" if self.output_dir else None
+        if resume:
+            self._resume()
+
+    # -- state -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        pos = self.train_loader.position
+        return {
+            "model": self.model.state_dict(),
+            "dense_optimizer": self.optimizer.state_dict(),
+            "position": {"epoch": pos.epoch, "batch": pos.batch},
+            "samples": self.samples,
+            "train_seconds": self.train_seconds,
+            "rng": rng_state(),
+            "config": self.cfg.to_dict(),
+            "num_dense": self.num_dense,
+            "table_sizes": self.table_sizes,
+            "table_names": [s.name for s in self.train_ds.sparse_features],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["dense_optimizer"])
+        self.train_loader.position = LoaderPosition(**state["position"])
+        self.step = int(state["step"])
+        self.samples = int(state["samples"])
+        self.train_seconds = float(state["train_seconds"])
+        set_rng_state(state["rng"])
+
+    def _resume(self) -> None:
+        state = latest_checkpoint(self.ckpt_dir, self.device) if self.ckpt_dir else None
+        if state is None:
+            print("resume: no checkpoint found, starting from scratch")
+            return
+        self.load_state_dict(state)
+        print(f"resume: continuing from {state['path']} (step {self.step})")
+
+    def save(self) -> Path | None:
+        if self.ckpt_dir is None:
+            return None
+        return save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), keep=self.cfg.train.keep_checkpoints)
+
+    # -- loop ------------------------------------------------------------------------------------------
+    def train_step(self, batch) -> float:
+        batch = batch.to(self.device, non_blocking=True)
+        logits = self.model(batch)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # also applies the embedding updates
+        self.optimizer.step()
+        return loss.item()
+
+    def train(self) -> dict[str, Any]:
+        t = self.cfg.train
+        self.model.train()
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not t.progress, unit="step",
+                   dynamic_ncols=True)
+        window_loss, window_n, window_t0 = 0.0, 0, time.perf_counter()
+        tick = window_t0  # train_seconds counts data wait + steps, not evaluation or checkpoints
+        while self.step < self.total_steps:
+            for batch in self.train_loader.iterate_epoch():
+                loss = self.train_step(batch)
+                now = time.perf_counter()
+                self.train_seconds += now - tick
+                tick = now
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"step {self.step + 1}: loss is {loss}; lower the learning rates")
+                self.step += 1
+                self.samples += batch.batch_size
+                window_loss += loss
+                window_n += 1
+                bar.update(1)
+                if self.step % t.log_every == 0 or self.step == self.total_steps:
+                    now = time.perf_counter()
+                    sps = window_n * t.batch_size / max(now - window_t0, 1e-9)
+                    self.logger.log(self.step, "train", {"loss": window_loss / window_n, "samples_per_sec": sps})
+                    bar.set_postfix(loss=f"{window_loss / window_n:.4f}", samples_s=f"{sps:,.0f}")
+                    window_loss, window_n, window_t0 = 0.0, 0, now
+                if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
+                    self.logger.log(self.step, "eval", self.evaluate())
+                    self.model.train()
+                    tick = window_t0 = time.perf_counter()
+                if t.checkpoint_every and self.step % t.checkpoint_every == 0:
+                    self.save()
+                    tick = time.perf_counter()
+                if self.step >= self.total_steps:
+                    break
+        bar.close()
+        final = self.evaluate()
+        self.logger.log(self.step, "eval", final)
+        self.save()
+        summary = self.summary(final)
+        self.logger.close()
+        return summary
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        metrics = BinaryMetrics()
+        self.eval_loader.position = LoaderPosition()
+        for batch in self.eval_loader.iterate_epoch():
+            batch = batch.to(self.device)
+            metrics.update(self.model(batch), batch.labels)
+        return metrics.compute()
+
+    def oracle_auc(self) -> float | None:
+        """AUC of the synthetic generator's true click probabilities on the evaluation rows."""
+        if not self.eval_ds.has("probability"):
+            return None
+        lo, hi = self.eval_loader.start, self.eval_loader.end
+        p = torch.from_numpy(np.array(self.eval_ds.column("probability")[lo:hi]))
+        y = torch.from_numpy(np.array(self.eval_ds.column("labels")[lo:hi]))
+        return float(auc(p, y))
+
+    def summary(self, final: dict[str, float]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            k: final[k] for k in ("auc", "logloss", "ne", "calibration", "accuracy") if k in final
+        }
+        out["eval_examples"] = final.get("num_examples")
+        out["steps"] = self.step
+        out["train_samples"] = self.samples
+        out["samples_per_sec"] = self.samples / self.train_seconds if self.train_seconds else None
+        oracle = self.oracle_auc()
+        if oracle is not None:
+            out["oracle_auc"] = oracle
+            out["auc_gap_closed"] = (out["auc"] - 0.5) / (oracle - 0.5) if oracle > 0.5 else None
+        if self.output_dir:
+            (self.output_dir / "summary.json").write_text(json.dumps(out, indent=2))
+            from recstack.plots import plot_curves
+
+            plot_curves(self.output_dir / "metrics.jsonl", self.output_dir / "curves.png")
+        return out

@@ -1,0 +1,133 @@
+"""End-to-end training: determinism, SIGKILL + resume, eval/predict, config errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recstack.checkpoint import list_checkpoints
+from recstack.cli import main
+from recstack.config import ConfigError, load_config
+from recstack.trainer import Trainer
+
+SMALL = [
+    "model.embedding_dim=8",
+    "model.bottom_mlp=[32, 8]",
+    "model.top_mlp=[32, 1]",
+    "train.batch_size=64",
+    "train.threads=1",
+    "train.progress=false",
+    "optim.sparse=\"rowwise_adagrad\"",
+]
+METRICS = ("auc", "logloss", "ne", "calibration", "accuracy", "steps", "train_samples")
+
+
+def _train(data: Path, out: Path | None, extra: list[str] = ()) -> dict:
+    cfg = load_config(None, [f'data.train="{data}"', *SMALL, *extra])
+    return Trainer(cfg, out).train()
+
+
+def test_same_seed_same_result(tiny_dataset: Path) -> None:
+    a = _train(tiny_dataset, None, ["train.max_steps=40"])
+    b = _train(tiny_dataset, None, ["train.max_steps=40"])
+    c = _train(tiny_dataset, None, ["train.max_steps=40", "train.seed=1"])
+    assert all(a[k] == b[k] for k in METRICS)
+    assert a["logloss"] != c["logloss"]
+
+
+def test_learns_and_writes_outputs(tiny_dataset: Path, tmp_path: Path) -> None:
+    s = _train(tiny_dataset, tmp_path, ["train.epochs=2", "train.eval_every=200", "train.log_every=50"])
+    # the fixture stores its true click probabilities, so the best possible AUC is known
+    assert s["auc"] - 0.5 >= 0.9 * (s["oracle_auc"] - 0.5)
+    for name in ("metrics.jsonl", "summary.json", "curves.png", "config.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").rglob("*"))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {x["kind"] for x in lines} == {"train", "eval"}
+    assert json.loads((tmp_path / "summary.json").read_text())["auc"] == s["auc"]
+
+
+def _cli_train(data: Path, out: Path, extra: list[str]) -> subprocess.Popen:
+    args = [sys.executable, "-m", "recstack", "train", "--output-dir", str(out), "--set", f'data.train="{data}"']
+    for o in [*SMALL, *extra]:
+        args += ["--set", o]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tiny_dataset: Path, tmp_path: Path) -> None:
+    extra = ["train.epochs=2", "train.checkpoint_every=50", "train.eval_every=300", "train.shuffle=true"]
+    ref = _cli_train(tiny_dataset, tmp_path / "ref", extra)
+    assert ref.wait(timeout=300) == 0, ref.stderr.read()
+
+    killed = _cli_train(tiny_dataset, tmp_path / "run", extra)
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    deadline = time.time() + 120
+    while len(list_checkpoints(ckpt_dir)) < 2 and time.time() < deadline and killed.poll() is None:
+        time.sleep(0.005)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    assert killed.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "recstack", "train", "--resume", "--output-dir", str(tmp_path / "run"),
+         "--set", f'data.train="{tiny_dataset}"', *sum((["--set", o] for o in [*SMALL, *extra]), [])],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resume: continuing from" in resumed.stdout
+    a = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    b = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert {k: a[k] for k in METRICS} == {k: b[k] for k in METRICS}
+
+
+def test_corrupt_newest_checkpoint_is_skipped(tiny_dataset: Path, tmp_path: Path) -> None:
+    _train(tiny_dataset, tmp_path, ["train.max_steps=30", "train.checkpoint_every=10"])
+    ckpts = list_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in ckpts] == ["ckpt_000000010.pt", "ckpt_000000020.pt", "ckpt_000000030.pt"]
+    ckpts[-1].write_bytes(ckpts[-1].read_bytes()[:1000])  # torn write
+    cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, "train.max_steps=30"])
+    with pytest.warns(UserWarning, match="cannot be loaded"):
+        t = Trainer(cfg, tmp_path, resume=True)
+    assert t.step == 20
+
+
+def test_eval_and_predict_cli(tiny_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    s = _train(tiny_dataset, tmp_path, ["train.max_steps=30", f'data.eval="{tiny_dataset}"'])
+    assert main(["eval", "--checkpoint", str(tmp_path), "--data", str(tiny_dataset)]) == 0
+    out = capsys.readouterr().out
+    evaluated = json.loads(out[out.index("{"):])
+    assert evaluated["num_examples"] == 20000
+    assert evaluated["auc"] == pytest.approx(s["auc"], abs=1e-9)
+    assert main(["predict", "--checkpoint", str(tmp_path), "--data", str(tiny_dataset),
+                 "--out", str(tmp_path / "p.npy")]) == 0
+    p = np.load(tmp_path / "p.npy")
+    assert p.shape == (20000,) and ((p > 0) & (p < 1)).all()
+
+
+def test_config_errors_name_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown key 'embeding_dim'"):
+        load_config(None, ["model.embeding_dim=3"])
+    with pytest.raises(ConfigError, match="model.embedding_dim: expected int"):
+        load_config(None, ['model.embedding_dim="x"'])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nbatch_size = 1.5\n")
+    with pytest.raises(ConfigError, match=f"{bad}.train.batch_size"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="optim.sparse"):
+        load_config(None, ["optim.sparse=adam"])
+    cfg = load_config(None, ["optim.dense_lr=1", "train.device=cpu"])
+    assert cfg.optim.dense_lr == 1.0 and cfg.train.device == "cpu"
+
+
+def test_configs_in_repo_load() -> None:
+    for path in Path(__file__).resolve().parents[1].joinpath("configs").glob("*.toml"):
+        load_config(path)
