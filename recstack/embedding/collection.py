@@ -98,7 +98,7 @@ class _FusedLookup(torch.autograd.Function):
             grads = grad_out.index_select(0, bag)
         if psw is not None:
             grads = grads * psw.unsqueeze(1)
-        module.optimizer.step(module.weight, module.accumulator, rows, grads)
+        module.apply_gradients(rows, grads)
         return torch.zeros(0, device=grad_out.device), None, None, None, None
 
 
@@ -153,6 +153,11 @@ class FusedEmbeddingBagCollection(EmbeddingCollection):
                 include_last_offset=True,
             )
         return pooled.view(f, b, -1).transpose(0, 1)  # [F*B, D] -> [B, F, D]
+
+    def apply_gradients(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """rows [N] of the concatenated weight (may repeat), grads [N, D]: one optimizer update.
+        Subclasses that must combine gradients across processes first (replicated tables) override this."""
+        self.optimizer.step(self.weight, self.accumulator, rows, grads)
 
     def table_weight(self, name: str) -> torch.Tensor:
         i = next(i for i, t in enumerate(self.tables) if t.name == name)

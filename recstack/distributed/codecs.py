@@ -1,0 +1,113 @@
+"""Codecs for all-to-all messages: one interface for every wire format.
+
+A codec turns a float tensor chunk [N, D] into a self-contained uint8 payload and back. Reduced precision
+(fp16, bf16, fp8 e4m3 with a per-row scale, int8 row-wise with per-row scale and offset) lives here; the
+error-bounded lossy codec of ``recstack.compression`` implements the same interface. Payloads are on the
+tensor's device: nothing here copies to the host.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+
+class CodecError(ValueError):
+    """A payload does not decode to the expected shape (corrupt, truncated or from another codec)."""
+
+
+class Codec(abc.ABC):
+    name: str = ""
+
+    @abc.abstractmethod
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] float32 -> payload [bytes] uint8."""
+
+    @abc.abstractmethod
+    def decode(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """payload [bytes] uint8 -> [N, D] float32 (``shape`` is known to both sides)."""
+
+    def _check(self, payload: torch.Tensor, want: int) -> None:
+        if payload.numel() != want:
+            raise CodecError(f"{self.name}: payload of {payload.numel()} bytes, expected {want}")
+
+
+class CastCodec(Codec):
+    """Plain dtype cast: fp32 (lossless), fp16, bf16."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name, self.dtype = name, dtype
+        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype).contiguous().view(-1).view(torch.uint8)
+
+    def decode(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        self._check(payload, shape[0] * shape[1] * self.itemsize)
+        return payload.view(self.dtype).view(shape).to(torch.float32)
+
+
+class Fp8RowwiseCodec(Codec):
+    """fp8 e4m3 with one fp32 scale per row (row max maps to e4m3's largest finite value, 448)."""
+
+    name = "fp8"
+    _MAX = 448.0
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        amax = x.abs().amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros(x.shape[0], 1)
+        scale = torch.where(amax > 0, amax / self._MAX, torch.ones_like(amax))  # [N, 1]
+        q = (x / scale).to(torch.float8_e4m3fn)
+        return torch.cat([scale.reshape(-1).view(torch.uint8), q.reshape(-1).view(torch.uint8)])
+
+    def decode(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        n, d = shape
+        self._check(payload, n * 4 + n * d)
+        scale = payload[: n * 4].view(torch.float32).view(n, 1)
+        q = payload[n * 4 :].view(torch.float8_e4m3fn).view(n, d)
+        return q.to(torch.float32) * scale
+
+
+class Int8RowwiseCodec(Codec):
+    """Row-wise asymmetric int8: per row min and scale (fp32), codes uint8 in [0, 255] (FBGEMM-style)."""
+
+    name = "int8"
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] == 0:
+            lo = x.new_zeros(x.shape[0], 1)
+            hi = lo
+        else:
+            lo = x.amin(dim=1, keepdim=True)
+            hi = x.amax(dim=1, keepdim=True)
+        scale = torch.where(hi > lo, (hi - lo) / 255.0, torch.ones_like(lo))  # [N, 1]
+        q = torch.round((x - lo) / scale).clamp_(0, 255).to(torch.uint8)
+        head = torch.cat([lo, scale], dim=1).reshape(-1).view(torch.uint8)  # [N * 8]
+        return torch.cat([head, q.reshape(-1)])
+
+    def decode(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        n, d = shape
+        self._check(payload, n * 8 + n * d)
+        head = payload[: n * 8].view(torch.float32).view(n, 2)
+        q = payload[n * 8 :].view(n, d)
+        return q.to(torch.float32) * head[:, 1:2] + head[:, 0:1]
+
+
+_CODECS: dict[str, Codec] = {
+    "fp32": CastCodec("fp32", torch.float32),
+    "fp16": CastCodec("fp16", torch.float16),
+    "bf16": CastCodec("bf16", torch.bfloat16),
+    "fp8": Fp8RowwiseCodec(),
+    "int8": Int8RowwiseCodec(),
+}
+
+
+def register_codec(codec: Codec) -> None:
+    """Make a codec available by name (the error-bounded codec registers itself this way)."""
+    _CODECS[codec.name] = codec
+
+
+def get_codec(name: str) -> Codec:
+    if name not in _CODECS:
+        raise ValueError(f"unknown communication codec {name!r} (known: {', '.join(sorted(_CODECS))})")
+    return _CODECS[name]

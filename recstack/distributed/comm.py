@@ -1,0 +1,137 @@
+"""All-to-all with variable-size messages, and the autograd-aware exchange of pooled embeddings.
+
+Every message size is exchanged first (one int64 per peer), then the payloads with ``all_to_all_single``,
+so codecs whose output size depends on the data (the error-bounded one) need no padding. Byte counts of
+everything sent are accumulated in a ``CommStats`` for logging.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from recstack.distributed.codecs import Codec, get_codec
+
+
+@dataclass
+class CommStats:
+    """Per-step counters: bytes this rank sent and seconds spent, by phase name."""
+
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, phase: str, nbytes: int, seconds: float) -> None:
+        self.bytes_sent[phase] = self.bytes_sent.get(phase, 0) + nbytes
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def pop(self) -> dict[str, float]:
+        """Flat dict for metrics.jsonl (``bytes_<phase>``, ``time_<phase>``), then reset."""
+        out: dict[str, float] = {f"bytes_{k}": float(v) for k, v in self.bytes_sent.items()}
+        out.update({f"time_{k}": v for k, v in self.seconds.items()})
+        self.bytes_sent.clear()
+        self.seconds.clear()
+        return out
+
+
+def all_to_all_variable(
+    send: list[torch.Tensor], group: dist.ProcessGroup | None, stats: CommStats | None = None, phase: str = ""
+) -> list[torch.Tensor]:
+    """send[r]: 1-D tensor for rank r (any length, one dtype) -> recv[r]: what rank r sent to us."""
+    t0 = time.perf_counter()
+    dtype, device = send[0].dtype, send[0].device
+    send_sizes = torch.tensor([t.numel() for t in send], dtype=torch.int64, device=device)
+    recv_sizes = torch.empty_like(send_sizes)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    out_splits = recv_sizes.tolist()
+    in_splits = send_sizes.tolist()
+    flat_in = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
+    flat_out = torch.empty(sum(out_splits), dtype=dtype, device=device)
+    dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=group)
+    if stats is not None:
+        me = dist.get_rank(group)
+        nbytes = (sum(in_splits) - in_splits[me]) * flat_in.element_size()  # bytes that leave this rank
+        stats.add(phase, nbytes, time.perf_counter() - t0)
+    return list(torch.split(flat_out, out_splits))
+
+
+def encode_chunks(codec: Codec, chunks: list[torch.Tensor]) -> torch.Tensor:
+    """Chunks [n_i, d_i] -> one uint8 message: header of int64 payload sizes, then the payloads."""
+    payloads = [codec.encode(c) for c in chunks]
+    device = chunks[0].device if chunks else torch.device("cpu")
+    header = torch.tensor([p.numel() for p in payloads], dtype=torch.int64, device=device)
+    return torch.cat([header.view(torch.uint8), *payloads]) if payloads else header.view(torch.uint8)
+
+
+def decode_chunks(codec: Codec, message: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    from recstack.distributed.codecs import CodecError
+
+    k = len(shapes)
+    if message.numel() < 8 * k:
+        raise CodecError(f"{codec.name}: message of {message.numel()} bytes is shorter than its header")
+    sizes = message[: 8 * k].view(torch.int64).tolist()
+    if any(s < 0 for s in sizes) or 8 * k + sum(sizes) != message.numel():
+        raise CodecError(f"{codec.name}: header sizes {sizes} do not match a {message.numel()}-byte message")
+    out, pos = [], 8 * k
+    for size, shape in zip(sizes, shapes, strict=True):
+        out.append(codec.decode(message[pos : pos + size], shape))
+        pos += size
+    return out
+
+
+class PooledExchange:
+    """Static description of one pooled all-to-all: which chunks go to and come from each rank.
+
+    send_shapes[r]: shapes [n, d] of the chunks this rank sends to rank r, in order;
+    recv_shapes[r]: shapes of the chunks it receives from rank r, in order.
+    """
+
+    def __init__(
+        self,
+        send_shapes: list[list[tuple[int, int]]],
+        recv_shapes: list[list[tuple[int, int]]],
+        group: dist.ProcessGroup | None,
+        forward_codec: str = "fp32",
+        backward_codec: str = "fp32",
+        stats: CommStats | None = None,
+    ) -> None:
+        self.send_shapes, self.recv_shapes = send_shapes, recv_shapes
+        self.group = group
+        self.fwd, self.bwd = get_codec(forward_codec), get_codec(backward_codec)
+        self.stats = stats
+
+    @staticmethod
+    def _split(flat: torch.Tensor, shapes: list[list[tuple[int, int]]]) -> list[list[torch.Tensor]]:
+        sizes = [n * d for per_rank in shapes for n, d in per_rank]
+        pieces = iter(torch.split(flat, sizes))
+        return [[next(pieces).view(n, d) for n, d in per_rank] for per_rank in shapes]
+
+    def exchange(
+        self, flat: torch.Tensor, out_shapes: list[list[tuple[int, int]]], in_shapes: list[list[tuple[int, int]]],
+        codec: Codec, phase: str,
+    ) -> torch.Tensor:
+        chunks = self._split(flat, out_shapes)
+        messages = [encode_chunks(codec, c) for c in chunks]
+        received = all_to_all_variable(messages, self.group, self.stats, phase)
+        decoded = [t for r, m in enumerate(received) for t in decode_chunks(codec, m, in_shapes[r])]
+        if not decoded:
+            return flat.new_zeros(0)
+        return torch.cat([t.reshape(-1) for t in decoded])
+
+    def __call__(self, send_flat: torch.Tensor) -> torch.Tensor:
+        """send_flat: all outgoing chunks, flattened, rank-major -> all incoming chunks, flattened, rank-major."""
+        return _PooledAllToAll.apply(send_flat, self)
+
+
+class _PooledAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, send_flat: torch.Tensor, ex: PooledExchange) -> torch.Tensor:  # type: ignore[override]
+        ctx.ex = ex
+        return ex.exchange(send_flat, ex.send_shapes, ex.recv_shapes, ex.fwd, "fwd_a2a")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ex: PooledExchange = ctx.ex
+        return ex.exchange(grad.contiguous(), ex.recv_shapes, ex.send_shapes, ex.bwd, "bwd_a2a"), None

@@ -1,0 +1,277 @@
+"""An EmbeddingCollection whose tables are sharded over processes (model parallel) or replicated.
+
+Per step, on every rank (B = local batch, F features, W ranks):
+  1. input distribution: each (feature, shard) pair's ids of the local samples go to the shard's rank
+     (row-wise shards get only the ids in their rows), one variable-size all-to-all with the local B;
+  2. the owner looks up all pairs it holds for the global batch with fused local tables;
+  3. output all-to-all: each rank gets back the pooled [B_r, d] pieces of its own samples, through a codec
+     (fp32, fp16, bf16, fp8, int8, or an error-bounded one), and rebuilds [B, F, D] (sum of row shards,
+     concatenation of column shards); replicated tables are looked up locally;
+  4. backward: the gradients of those pieces travel back the same way (own codec) and the owner applies the
+     fused sparse optimizer; replicated tables all-reduce their gradient and update every replica.
+Gradients are scaled by 1/W to match DDP's averaging of the dense part, so W ranks with batch B reproduce
+one process with batch W*B.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from recstack.data.batch import SparseFeatures
+from recstack.distributed.comm import CommStats, PooledExchange, all_to_all_variable
+from recstack.distributed.sharding import Shard, table_shards
+from recstack.embedding.collection import EmbeddingCollection, FusedEmbeddingBagCollection, TableConfig, init_table
+from recstack.embedding.sparse_optim import SparseOptimizerConfig
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+class ReplicatedEmbeddingBagCollection(FusedEmbeddingBagCollection):
+    """Data-parallel tables: the dense table gradient is all-reduced (mean over ranks) before the update, so
+    every replica stays identical. Only sensible for small tables."""
+
+    def __init__(self, tables: list[TableConfig], optimizer: SparseOptimizerConfig, seed: int,
+                 device: torch.device | str, group: dist.ProcessGroup | None, stats: CommStats) -> None:
+        super().__init__(tables, optimizer, seed=seed, device=device)
+        self.group, self.stats = group, stats
+
+    def apply_gradients(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        dense = torch.zeros_like(self.weight)
+        dense.index_add_(0, rows, grads)  # [R, D]
+        dist.all_reduce(dense, group=self.group)
+        dense /= dist.get_world_size(self.group)
+        self.stats.add("allreduce_emb", dense.numel() * dense.element_size(), time.perf_counter() - t0)
+        touched = dense.abs().sum(1).nonzero().squeeze(1)  # rows no rank touched keep their state
+        self.optimizer.step(self.weight, self.accumulator, touched, dense[touched])
+
+
+class ShardedEmbeddingCollection(EmbeddingCollection):
+    def __init__(
+        self,
+        tables: list[TableConfig],
+        optimizer: SparseOptimizerConfig,
+        placements: list[tuple[str, list[int]]],
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        forward_codec: str = "fp32",
+        backward_codec: str = "fp32",
+        ranks_per_node: int | None = None,
+    ) -> None:
+        """placements[t] = (sharding type, ranks) for table t, as in a ShardingPlan."""
+        super().__init__(tables, optimizer)
+        if len(placements) != len(tables):
+            raise ValueError(f"{len(placements)} placements for {len(tables)} tables")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device(device)
+        # Separate groups so that embedding collectives never interleave with DDP's or each other's.
+        self.ids_group = dist.new_group()
+        self.out_group = dist.new_group()
+        self.dp_group = dist.new_group()
+        self.stats = CommStats()
+        self.forward_codec, self.backward_codec = forward_codec, backward_codec
+        self.shards: list[list[Shard]] = [
+            table_shards(i, t.num_embeddings, t.embedding_dim, kind, list(ranks), self.world, ranks_per_node)
+            for i, (t, (kind, ranks)) in enumerate(zip(tables, placements, strict=True))
+        ]
+        self.sharding = [kind for kind, _ in placements]
+        # (feature, shard) pairs served over the network, grouped by owner, in a global canonical order.
+        self.pairs: list[list[tuple[int, Shard]]] = [[] for _ in range(self.world)]
+        for f, t in enumerate(self.feature_table):
+            for s in self.shards[t]:
+                if s.combine != "local":
+                    self.pairs[s.rank].append((f, s))
+        self._build_local_tables(seed)
+
+    def _build_local_tables(self, seed: int) -> None:
+        mine = self.pairs[self.rank]
+        by_dim: dict[int, list[int]] = {}  # shard dim -> indices into ``mine``
+        for i, (_, s) in enumerate(mine):
+            by_dim.setdefault(s.dim, []).append(i)
+        self.groups = torch.nn.ModuleDict()
+        self.group_pairs: dict[str, list[int]] = {}
+        self.pair_slot: list[tuple[str, int]] = [("", 0)] * len(mine)  # pair -> (group, local feature index)
+        full_cache: dict[int, torch.Tensor] = {}
+        for dim, idxs in sorted(by_dim.items()):
+            shard_ids: dict[tuple[int, int], list[int]] = {}  # one local table per shard, shared by its pairs
+            for local_f, i in enumerate(idxs):
+                s = mine[i][1]
+                shard_ids.setdefault((s.table, s.index), []).append(local_f)
+            local_tables, slices = [], []
+            for (t, si), feats in shard_ids.items():
+                s = self.shards[t][si]
+                local_tables.append(TableConfig(f"{self.tables[t].name}.shard{si}", s.rows, dim, tuple(feats)))
+                if t not in full_cache:
+                    full_cache[t] = init_table(self.tables[t], seed, t)
+                slices.append(full_cache[t][s.row0 : s.row1, s.col0 : s.col1])
+            coll = FusedEmbeddingBagCollection(local_tables, self.optimizer.config, device=self.device)
+            with torch.no_grad():
+                coll.weight.copy_(torch.cat(slices))  # same rows as the unsharded table
+            key = f"d{dim}"
+            self.groups[key] = coll
+            self.group_pairs[key] = idxs
+            for local_f, i in enumerate(idxs):
+                self.pair_slot[i] = (key, local_f)
+        dp_tables = [t for t, kind in enumerate(self.sharding) if kind == "data_parallel"]
+        self.dp_features = [f for f, t in enumerate(self.feature_table) if t in dp_tables]
+        self.replicated = None
+        if dp_tables:
+            remap = {f: i for i, f in enumerate(self.dp_features)}
+            cfgs = [TableConfig(self.tables[t].name, self.tables[t].num_embeddings, self.embedding_dim,
+                                tuple(remap[f] for f in self.tables[t].features)) for t in dp_tables]
+            self.replicated = ReplicatedEmbeddingBagCollection(
+                cfgs, self.optimizer.config, 0, self.device, self.dp_group, self.stats
+            )
+            with torch.no_grad():
+                self.replicated.weight.copy_(torch.cat([init_table(self.tables[t], seed, t) for t in dp_tables]))
+
+    # -- forward -----------------------------------------------------------------------------------------
+    def _input_dist(self, sparse: SparseFeatures) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor | None]]:
+        """-> (batch size of every rank, ids per owned pair (all ranks' samples), lengths per owned pair)."""
+        b = sparse.batch_size
+        lengths = sparse.lengths.view(sparse.num_features, b)  # [F, B]
+        starts = sparse.offsets[:-1:b].tolist() + [int(sparse.offsets[-1])]
+        send_ids, send_w = [], []
+        for r in range(self.world):
+            lens, ids, ws = [], [], []
+            for f, s in self.pairs[r]:
+                fid = sparse.ids[starts[f] : starts[f + 1]]
+                fw = sparse.weights[starts[f] : starts[f + 1]] if sparse.weights is not None else None
+                if s.combine == "sum":  # row shard: only the ids in its rows, renumbered from 0
+                    keep = (fid >= s.row0) & (fid < s.row1)
+                    bag = torch.repeat_interleave(torch.arange(b, device=fid.device), lengths[f])
+                    lens.append(torch.bincount(bag[keep], minlength=b))
+                    ids.append(fid[keep] - s.row0)
+                    ws.append(fw[keep] if fw is not None else None)
+                else:
+                    lens.append(lengths[f])
+                    ids.append(fid)
+                    ws.append(fw)
+            head = torch.tensor([b], dtype=torch.int64, device=sparse.ids.device)
+            send_ids.append(torch.cat([head, *lens, *ids]))
+            if sparse.weights is not None:
+                send_w.append(torch.cat([w for w in ws if w is not None]) if ws else sparse.weights[:0])
+        recv = all_to_all_variable(send_ids, self.ids_group, self.stats, "input_dist")
+        recv_w = (all_to_all_variable(send_w, self.ids_group, self.stats, "input_dist")
+                  if sparse.weights is not None else [None] * self.world)
+        n = len(self.pairs[self.rank])
+        batch_sizes = [int(m[0]) for m in recv]
+        pair_ids: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        pair_lens: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        pair_w: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        for r, m in enumerate(recv):
+            br = batch_sizes[r]
+            lens = m[1 : 1 + n * br].view(n, br)
+            counts = lens.sum(1).tolist()
+            ids = torch.split(m[1 + n * br :], counts)
+            ws = torch.split(recv_w[r], counts) if recv_w[r] is not None else None
+            for p in range(n):
+                pair_lens[p].append(lens[p])
+                pair_ids[p].append(ids[p])
+                if ws is not None:
+                    pair_w[p].append(ws[p])
+        ids_out = [torch.cat(x) if x else torch.zeros(0, dtype=torch.int64) for x in pair_ids]
+        lens_out = [torch.cat(x) if x else torch.zeros(0, dtype=torch.int64) for x in pair_lens]
+        w_out = [torch.cat(x) for x in pair_w] if sparse.weights is not None else [None] * n
+        return batch_sizes, list(zip(ids_out, lens_out, strict=True)), w_out
+
+    def forward(self, sparse: SparseFeatures) -> torch.Tensor:
+        if sparse.num_features != self.num_features:
+            raise ValueError(f"got {sparse.num_features} sparse features, collection has {self.num_features}")
+        b = sparse.batch_size
+        batch_sizes, pair_data, pair_w = self._input_dist(sparse)
+        grad_scale = 1.0 / self.world
+        pooled: dict[str, torch.Tensor] = {}
+        for key, idxs in self.group_pairs.items():
+            ids = torch.cat([pair_data[i][0] for i in idxs])
+            lens = torch.cat([pair_data[i][1] for i in idxs])
+            offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+            w = torch.cat([pair_w[i] for i in idxs]) if pair_w and pair_w[0] is not None else None
+            out = self.groups[key](SparseFeatures(ids, offsets, len(idxs), w))  # [Bg, n_group, d]
+            pooled[key] = _ScaleGrad.apply(out, grad_scale) if out.requires_grad else out
+        # Output all-to-all: rank r gets rows [start_r, end_r) of every owned pair.
+        bounds = [0]
+        for br in batch_sizes:
+            bounds.append(bounds[-1] + br)
+        mine = self.pairs[self.rank]
+        pieces = [
+            pooled[self.pair_slot[i][0]][bounds[r] : bounds[r + 1], self.pair_slot[i][1]].reshape(-1)
+            for r in range(self.world) for i in range(len(mine))
+        ]
+        anchor = torch.zeros(0, device=self.device, requires_grad=torch.is_grad_enabled() and self.training)
+        send_flat = torch.cat([anchor, *pieces])
+        send_shapes = [[(batch_sizes[r], s.dim) for _, s in mine] for r in range(self.world)]
+        recv_shapes = [[(b, s.dim) for _, s in self.pairs[r]] for r in range(self.world)]
+        exchange = PooledExchange(send_shapes, recv_shapes, self.out_group, self.forward_codec,
+                                  self.backward_codec, self.stats)
+        recv = exchange(send_flat) if any(self.pairs) else send_flat
+        received: dict[tuple[int, int, int], torch.Tensor] = {}
+        pos = 0
+        for r in range(self.world):
+            for f, s in self.pairs[r]:
+                received[(f, s.table, s.index)] = recv[pos : pos + b * s.dim].view(b, s.dim)
+                pos += b * s.dim
+        local = None
+        if self.replicated is not None:
+            local = self.replicated(sparse_select(sparse, self.dp_features))  # [B, F_dp, D]
+        outs = []
+        dp_pos = {f: i for i, f in enumerate(self.dp_features)}
+        for f, t in enumerate(self.feature_table):
+            shards = self.shards[t]
+            kind = shards[0].combine
+            if kind == "local":
+                outs.append(local[:, dp_pos[f]])
+            elif kind == "concat":
+                outs.append(torch.cat([received[(f, t, s.index)] for s in shards], dim=1))
+            elif kind == "sum":
+                acc = received[(f, t, 0)]
+                for s in shards[1:]:
+                    acc = acc + received[(f, t, s.index)]
+                outs.append(acc)
+            else:
+                outs.append(received[(f, t, 0)])
+        return torch.stack(outs, dim=1)  # [B, F, D]
+
+    # -- inspection ----------------------------------------------------------------------------------------
+    def table_weight(self, name: str) -> torch.Tensor:
+        """The full table, gathered from its shards (a collective: every rank must call it)."""
+        t = next(i for i, tc in enumerate(self.tables) if tc.name == name)
+        if self.sharding[t] == "data_parallel":
+            return self.replicated.table_weight(name).clone()
+        parts = []
+        for coll in self.groups.values():
+            for i, tc in enumerate(coll.tables):
+                if tc.name.startswith(f"{name}.shard"):
+                    si = int(tc.name.rsplit("shard", 1)[1])
+                    w = coll.weight[coll.table_offsets[i] : coll.table_offsets[i + 1]]
+                    parts.append((si, w.detach().cpu()))
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, parts)
+        full = torch.zeros(self.tables[t].num_embeddings, self.embedding_dim)
+        for rank_parts in gathered:
+            for si, w in rank_parts:
+                s = self.shards[t][si]
+                full[s.row0 : s.row1, s.col0 : s.col1] = w
+        return full
+
+
+def sparse_select(sparse: SparseFeatures, features: list[int]) -> SparseFeatures:
+    """The listed features (in that order) of a feature-major SparseFeatures."""
+    parts = [sparse.feature_slice(f, f + 1) for f in features]
+    ids = torch.cat([p.ids for p in parts])
+    lens = torch.cat([p.lengths for p in parts])
+    offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    w = torch.cat([p.weights for p in parts]) if sparse.weights is not None else None
+    return SparseFeatures(ids, offsets, len(features), w)
