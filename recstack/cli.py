@@ -1,4 +1,4 @@
-"""The one command line: ``recstack train | eval | predict | data prepare | data synth``."""
+"""The one command line: ``recstack train | eval | predict | data prepare | data synth | data inspect``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from recstack import train as train_cmd
 from recstack.config import ConfigError
+from recstack.data.commands import add_inspect_parser, add_schema_prepare_arguments
 
 
 def _cmd_eval(args: argparse.Namespace) -> None:
@@ -44,6 +45,11 @@ def _cmd_predict(args: argparse.Namespace) -> None:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> None:
+    if args.schema or args.valid or args.test or args.stats_from:  # schema-driven input (any format)
+        from recstack.data.commands import run_schema_prepare
+
+        run_schema_prepare(args)
+        return
     from recstack.data.criteo import prepare_criteo, sort_day_files
 
     inputs: list[Path] = []
@@ -96,14 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="prepare or generate data sets").add_subparsers(dest="data_command",
                                                                                       required=True)
-    pr = data.add_parser("prepare", help="Criteo raw TSV (plain or .gz) -> prepared format")
+    pr = data.add_parser("prepare", help="Criteo raw TSV (plain or .gz), or with --schema Parquet, CSV/TSV or "
+                                         "libFM -> prepared format")
     pr.add_argument("inputs", nargs="+", help="raw files or directories of day files, in time order")
     pr.add_argument("--out", required=True)
     pr.add_argument("--max-ind-range", type=int, help="hash categorical values into this many rows")
     pr.add_argument("--vocab-min-freq", type=int, help="vocabulary of values seen at least this often")
     pr.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows and report them")
     pr.add_argument("--overwrite", action="store_true")
+    add_schema_prepare_arguments(pr)
     pr.set_defaults(func=_cmd_prepare)
+    add_inspect_parser(data)
 
     sy = data.add_parser("synth", help="generate a synthetic Criteo-shaped click log")
     sy.add_argument("--out", required=True)
@@ -113,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a generator option (see SynthConfig), e.g. --set drift=0.5")
     sy.add_argument("--overwrite", action="store_true")
     sy.set_defaults(func=_cmd_synth)
+
+    from recstack.distributed.planner import cli as plan_cmd
+
+    pl = sub.add_parser("plan", help="shard embedding tables over ranks (load-balancing planner)")
+    plan_cmd.add_arguments(pl)
+    pl.set_defaults(func=plan_cmd.run)
     return p
 
 

@@ -81,11 +81,28 @@ class TrainConfig:
 
 
 @dataclass
+class DistConfig:
+    """Hybrid-parallel training under ``torchrun`` (ignored in a single process).
+
+    ``plan`` is a sharding-plan JSON (``recstack plan --out``); without one every table gets ``sharding``
+    (table_wise tables are dealt round-robin over the ranks). ``train.batch_size`` is per rank.
+    """
+
+    plan: str = ""
+    sharding: str = "table_wise"
+    forward_codec: str = "fp32"  # fp32 | fp16 | bf16 | fp8 | int8
+    backward_codec: str = "fp32"
+    timeout_s: float = 300.0
+    ranks_per_node: int = 0  # 0 = LOCAL_WORLD_SIZE from torchrun
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -183,6 +200,8 @@ def validate(cfg: Config) -> None:
         "model.interaction": (m.interaction, ("dot", "cat", "dcn")),
         "optim.dense": (o.dense, ("sgd", "adagrad", "adam")),
         "optim.sparse": (o.sparse, ("sgd", "rowwise_adagrad")),
+        "dist.sharding": (cfg.dist.sharding,
+                          ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")),
     }
     for where, (value, allowed) in choices.items():
         if value not in allowed:

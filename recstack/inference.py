@@ -35,7 +35,8 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
 
 
 def _loader(cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int) -> BatchLoader:
-    sizes = [t.num_embeddings for t in model.embeddings.tables]
+    emb = model.embeddings
+    sizes = [emb.tables[t].num_embeddings for t in emb.feature_table]  # per feature (tables may be shared)
     if len(data.sparse_features) != len(sizes) or len(data.dense_features) != model.num_dense:
         raise ValueError(
             f"{data.path}: {len(data.dense_features)} dense / {len(data.sparse_features)} sparse features, "

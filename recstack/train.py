@@ -22,6 +22,8 @@ def run(args: argparse.Namespace) -> dict:
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg, args.output_dir, resume=args.resume)
     summary = trainer.train()
+    if not trainer.is_main:
+        return summary
     print(json.dumps(summary, indent=2))
     auc, ne = summary.get("auc"), summary.get("ne")
     line = f"final eval: AUC {auc:.4f}  NE {ne:.4f}"

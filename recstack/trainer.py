@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -71,9 +72,15 @@ class Trainer:
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         seed_everything(t.seed)
+        self.rank, self.world = 0, 1
         self.device = resolve_device(t.device)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun
+            from recstack.distributed.parallelize import init_distributed
+
+            self.rank, self.world, self.device = init_distributed(cfg.dist.timeout_s)
+        self.is_main = self.rank == 0
         self.output_dir = Path(output_dir) if output_dir else None
-        if self.output_dir:
+        if self.output_dir and self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         self.train_ds, self.eval_ds, eval_range = prepare_data(cfg, self.output_dir)
@@ -85,7 +92,8 @@ class Trainer:
         self.table_sizes = capped_table_sizes(self.train_ds.table_sizes, cfg.model.max_table_size)
         caps = self.table_sizes if cfg.model.max_table_size > 0 else None
         self.train_loader = BatchLoader(
-            self.train_ds, t.batch_size, train_range, shuffle=t.shuffle, seed=t.seed, table_caps=caps
+            self.train_ds, t.batch_size, train_range, shuffle=t.shuffle, seed=t.seed, table_caps=caps,
+            rank=self.rank, world_size=self.world,
         )
         if len(self.train_loader) == 0:
             raise ValueError(
@@ -94,20 +102,36 @@ class Trainer:
             )
         self.eval_loader = BatchLoader(
             self.eval_ds, t.eval_batch_size, eval_range, drop_last=False, table_caps=caps,
-            extras=("probability",),
+            extras=("probability",), rank=self.rank, world_size=self.world,
         )
         self.model: DLRM = build_model(
-            cfg, self.num_dense, self.table_sizes, self.device, [s.name for s in self.train_ds.sparse_features]
+            cfg, self.num_dense, self.table_sizes, self.device, self.train_ds.table_names
         )
+        self.net: torch.nn.Module = self.model  # what the step calls: the model, or DDP around it
+        if self.world > 1:
+            self._parallelize()
         self.optimizer = build_dense_optimizer(cfg, self.model.dense_parameters())
         self.total_steps = t.max_steps or t.epochs * len(self.train_loader)
         self.step = 0
         self.samples = 0
         self.train_seconds = 0.0
-        self.logger = MetricsLogger(self.output_dir)
-        self.ckpt_dir = self.output_dir / "checkpoints" if self.output_dir else None
+        self.logger = MetricsLogger(self.output_dir if self.is_main else None)
+        self.ckpt_dir = self.output_dir / "checkpoints" if self.output_dir and self.world == 1 else None
+        if self.world > 1 and (resume or t.checkpoint_every):
+            raise ValueError("checkpoints of sharded models are not supported yet: run without --resume and "
+                             "with train.checkpoint_every=0")
         if resume:
             self._resume()
+
+    def _parallelize(self) -> None:
+        """Shard the tables by the plan (or ``dist.sharding``) and wrap the dense part in DDP."""
+        from recstack.distributed.parallelize import placements_from_config, shard_model, wrap_ddp
+
+        d = self.cfg.dist
+        rpn = d.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        placements = placements_from_config(d, [t.name for t in self.model.embeddings.tables], self.world)
+        shard_model(self.model, placements, self.cfg.train.seed, self.device, d.forward_codec, d.backward_codec, rpn)
+        self.net = wrap_ddp(self.model, self.device)
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -122,7 +146,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "num_dense": self.num_dense,
             "table_sizes": self.table_sizes,
-            "table_names": [s.name for s in self.train_ds.sparse_features],
+            "table_names": self.train_ds.table_names,  # per feature; shared tables repeat
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -150,7 +174,7 @@ class Trainer:
     # -- loop ------------------------------------------------------------------------------------------
     def train_step(self, batch) -> float:
         batch = batch.to(self.device, non_blocking=True)
-        logits = self.model(batch)
+        logits = self.net(batch)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # also applies the embedding updates
@@ -159,9 +183,9 @@ class Trainer:
 
     def train(self) -> dict[str, Any]:
         t = self.cfg.train
-        self.model.train()
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not t.progress, unit="step",
-                   dynamic_ncols=True)
+        self.net.train()
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (t.progress and self.is_main),
+                   unit="step", dynamic_ncols=True)
         window_loss, window_n, window_t0 = 0.0, 0, time.perf_counter()
         tick = window_t0  # train_seconds counts data wait + steps, not evaluation or checkpoints
         while self.step < self.total_steps:
@@ -173,19 +197,22 @@ class Trainer:
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"step {self.step + 1}: loss is {loss}; lower the learning rates")
                 self.step += 1
-                self.samples += batch.batch_size
+                self.samples += batch.batch_size * self.world  # global samples
                 window_loss += loss
                 window_n += 1
                 bar.update(1)
                 if self.step % t.log_every == 0 or self.step == self.total_steps:
                     now = time.perf_counter()
-                    sps = window_n * t.batch_size / max(now - window_t0, 1e-9)
-                    self.logger.log(self.step, "train", {"loss": window_loss / window_n, "samples_per_sec": sps})
+                    sps = window_n * t.batch_size * self.world / max(now - window_t0, 1e-9)
+                    values = {"loss": window_loss / window_n, "samples_per_sec": sps}
+                    stats = getattr(self.model.embeddings, "stats", None)
+                    if stats is not None:  # bytes and seconds per collective since the last log line
+                        values.update({k: v / window_n for k, v in stats.pop().items()})
+                    self.logger.log(self.step, "train", values)
                     bar.set_postfix(loss=f"{window_loss / window_n:.4f}", samples_s=f"{sps:,.0f}")
                     window_loss, window_n, window_t0 = 0.0, 0, now
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
                     self.logger.log(self.step, "eval", self.evaluate())
-                    self.model.train()
                     tick = window_t0 = time.perf_counter()
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0:
                     self.save()
@@ -202,12 +229,20 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        self.model.eval()
+        self.net.eval()
         metrics = BinaryMetrics()
         self.eval_loader.position = LoaderPosition()
         for batch in self.eval_loader.iterate_epoch():
             batch = batch.to(self.device)
-            metrics.update(self.model(batch), batch.labels)
+            metrics.update(self.net(batch), batch.labels)
+        self.net.train()
+        stats = getattr(self.model.embeddings, "stats", None)
+        if stats is not None:
+            stats.pop()  # evaluation traffic is not part of the training step's figures
+        if self.world > 1:
+            from recstack.distributed.parallelize import all_gather_metrics
+
+            metrics = all_gather_metrics(metrics)
         return metrics.compute()
 
     def oracle_auc(self) -> float | None:
@@ -227,11 +262,12 @@ class Trainer:
         out["steps"] = self.step
         out["train_samples"] = self.samples
         out["samples_per_sec"] = self.samples / self.train_seconds if self.train_seconds else None
+        out["world_size"] = self.world
         oracle = self.oracle_auc()
         if oracle is not None:
             out["oracle_auc"] = oracle
             out["auc_gap_closed"] = (out["auc"] - 0.5) / (oracle - 0.5) if oracle > 0.5 else None
-        if self.output_dir:
+        if self.output_dir and self.is_main:
             (self.output_dir / "summary.json").write_text(json.dumps(out, indent=2))
             from recstack.plots import plot_curves
 

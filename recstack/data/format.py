@@ -7,13 +7,22 @@ A prepared data set is a directory:
                         "arrays": {name: {"file", "dtype", "shape"}}, "info": {...}}
     labels.bin         float32 [N]
     dense.bin          float32 [N, n_dense]
-    sparse.bin         int32   [N, n_sparse]   ids already in [0, num_embeddings)
+    sparse.bin         int32   [N, n_single]   ids already in [0, num_embeddings), one column per
+                                               single-valued sparse feature (in feature order)
+    <f>.values.bin     int32   [nnz_f]         multi-hot feature f: all ids, row after row
+    <f>.offsets.bin    int64   [N + 1]         row r of f holds values[offsets[r] : offsets[r + 1]]
+    <f>.weights.bin    float32 [nnz_f]         optional per-id weights of f (weighted sum pooling)
     <extra>.bin        optional per-row columns, e.g. probability (synthetic ground truth), vertical,
                        timestamp, example_id
 
 Arrays are raw little-endian files so they can be appended chunk by chunk while preparing (bounded memory,
 no need to know N up front) and opened with ``np.memmap`` without reading them. The writer fills
 ``<dir>.tmp`` and renames it at the end, so a crash never leaves a half-written directory that looks valid.
+
+A sparse feature's meta entry may add ``"multi_hot": true`` (stored jagged as above), ``"table": name``
+(features naming the same table share one embedding table), ``"pooling": "mean"`` (default sum) and
+``"weighted": true``. Entries without them read as before, so single-valued data sets are stored exactly as
+they always were.
 """
 
 from __future__ import annotations
@@ -39,10 +48,64 @@ class PreparedFormatError(ValueError):
     """A prepared directory is missing, incomplete or inconsistent."""
 
 
+POOLINGS = ("sum", "mean")
+
+
 @dataclass(frozen=True)
 class SparseFeatureSpec:
+    """One sparse feature. ``table``: features naming the same table share it (empty = a table of its own,
+    named after the feature). ``multi_hot``: a bag of ids per row instead of exactly one. ``pooling``: sum
+    or mean of the bag. ``weighted``: per-id weights are stored (multi-hot only)."""
+
     name: str
     num_embeddings: int
+    multi_hot: bool = False
+    table: str = ""
+    pooling: str = "sum"
+    weighted: bool = False
+
+    @property
+    def table_name(self) -> str:
+        return self.table or self.name
+
+    def to_meta(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "num_embeddings": int(self.num_embeddings)}
+        if self.multi_hot:
+            out["multi_hot"] = True
+        if self.table:
+            out["table"] = self.table
+        if self.pooling != "sum":
+            out["pooling"] = self.pooling
+        if self.weighted:
+            out["weighted"] = True
+        return out
+
+    @staticmethod
+    def from_meta(entry: dict[str, Any]) -> SparseFeatureSpec:
+        return SparseFeatureSpec(
+            entry["name"], int(entry["num_embeddings"]), bool(entry.get("multi_hot", False)),
+            str(entry.get("table", "")), str(entry.get("pooling", "sum")), bool(entry.get("weighted", False)),
+        )
+
+
+def check_sparse_specs(specs: list[SparseFeatureSpec]) -> None:
+    """Names unique, pooling known, weights only on multi-hot features, shared tables of one size."""
+    seen: set[str] = set()
+    sizes: dict[str, tuple[str, int]] = {}
+    for s in specs:
+        if s.name in seen:
+            raise ValueError(f"sparse feature {s.name!r} appears twice")
+        seen.add(s.name)
+        if s.pooling not in POOLINGS:
+            raise ValueError(f"sparse feature {s.name!r}: pooling {s.pooling!r} is not one of {POOLINGS}")
+        if s.weighted and not s.multi_hot:
+            raise ValueError(f"sparse feature {s.name!r}: weights need a multi-hot feature")
+        first = sizes.setdefault(s.table_name, (s.name, s.num_embeddings))
+        if first[1] != s.num_embeddings:
+            raise ValueError(
+                f"table {s.table_name!r}: feature {first[0]!r} gives {first[1]} rows, {s.name!r} gives "
+                f"{s.num_embeddings}"
+            )
 
 
 class PreparedWriter:
@@ -68,34 +131,91 @@ class PreparedWriter:
         self.tmp_dir.mkdir(parents=True)
         self.dense_features = list(dense_features)
         self.sparse_features = list(sparse_features)
+        try:
+            check_sparse_specs(self.sparse_features)
+        except ValueError:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            raise
+        self.n_single = sum(not s.multi_hot for s in self.sparse_features)
         self.dtypes: dict[str, np.dtype] = {k: np.dtype(v) for k, v in _CORE.items()}
         for name, dt in (extra_columns or {}).items():
             self.dtypes[name] = np.dtype(dt)
-        self.files = {k: open(self.tmp_dir / f"{k}.bin", "wb") for k in self.dtypes}
+        # Jagged arrays of the multi-hot features: name -> dtype; their lengths are not N.
+        self.jagged: dict[str, np.dtype] = {}
+        for s in self.sparse_features:
+            if s.multi_hot:
+                self.jagged[f"{s.name}.values"] = np.dtype(np.int32)
+                self.jagged[f"{s.name}.offsets"] = np.dtype(np.int64)
+                if s.weighted:
+                    self.jagged[f"{s.name}.weights"] = np.dtype(np.float32)
+        clash = set(self.jagged) & set(self.dtypes)
+        if clash:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            raise ValueError(f"column names {sorted(clash)} clash with multi-hot feature arrays")
+        self.files = {k: open(self.tmp_dir / f"{k}.bin", "wb") for k in [*self.dtypes, *self.jagged]}
+        self.nnz = {s.name: 0 for s in self.sparse_features if s.multi_hot}
+        for name in self.nnz:  # offsets start with the 0 of row 0
+            self.files[f"{name}.offsets"].write(np.zeros(1, np.int64).tobytes())
         self.num_rows = 0
         self.info: dict[str, Any] = {}
 
-    def write(self, labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray, **extras: np.ndarray) -> None:
-        """labels [n], dense [n, n_dense], sparse [n, n_sparse]; extras [n] for each declared column."""
+    def write(
+        self,
+        labels: np.ndarray,
+        dense: np.ndarray,
+        sparse: np.ndarray,
+        jagged: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]] | None = None,
+        **extras: np.ndarray,
+    ) -> None:
+        """labels [n], dense [n, n_dense], sparse [n, n_single] (the single-valued features, in order);
+        extras [n] for each declared column; ``jagged`` maps each multi-hot feature to (lengths [n],
+        ids [sum(lengths)], weights [sum(lengths)] or None)."""
         n = len(labels)
         cols = {"labels": labels, "dense": dense, "sparse": sparse, **extras}
         if set(cols) != set(self.dtypes):
             raise ValueError(f"columns {sorted(cols)} do not match declared {sorted(self.dtypes)}")
-        widths = {"dense": len(self.dense_features), "sparse": len(self.sparse_features)}
+        jagged = jagged or {}
+        if set(jagged) != set(self.nnz):
+            raise ValueError(f"multi-hot features {sorted(jagged)} do not match declared {sorted(self.nnz)}")
+        widths = {"dense": len(self.dense_features), "sparse": self.n_single}
         for name, arr in cols.items():
             arr = np.asarray(arr)
             want = (n, widths[name]) if name in widths else (n,)
             if arr.shape != want:
                 raise ValueError(f"column {name!r}: shape {arr.shape}, expected {want}")
+        checked = {name: self._check_jagged(name, n, *parts) for name, parts in jagged.items()}
+        for name, arr in cols.items():
             self.files[name].write(np.ascontiguousarray(arr, dtype=self.dtypes[name]).tobytes())
+        for name, (lengths, ids, weights) in checked.items():
+            offsets = self.nnz[name] + np.cumsum(lengths, dtype=np.int64)
+            self.files[f"{name}.offsets"].write(offsets.tobytes())
+            self.files[f"{name}.values"].write(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
+            if weights is not None:
+                self.files[f"{name}.weights"].write(np.ascontiguousarray(weights, dtype=np.float32).tobytes())
+            self.nnz[name] += len(ids)
         self.num_rows += n
+
+    def _check_jagged(
+        self, name: str, n: int, lengths: np.ndarray, ids: np.ndarray, weights: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        lengths, ids = np.asarray(lengths), np.asarray(ids)
+        if lengths.shape != (n,) or (n and lengths.min() < 0):
+            raise ValueError(f"multi-hot {name!r}: lengths must be [{n}] non-negative, got shape {lengths.shape}")
+        if ids.shape != (int(lengths.sum()),):
+            raise ValueError(f"multi-hot {name!r}: {ids.shape} ids for {int(lengths.sum())} bag entries")
+        weighted = f"{name}.weights" in self.jagged
+        if weighted != (weights is not None):
+            raise ValueError(f"multi-hot {name!r}: weights {'missing' if weighted else 'not declared'}")
+        if weights is not None and np.shape(weights) != ids.shape:
+            raise ValueError(f"multi-hot {name!r}: weights shape {np.shape(weights)}, ids {ids.shape}")
+        return lengths, ids, weights
 
     def close(self) -> Path:
         for f in self.files.values():
             f.flush()
             os.fsync(f.fileno())
             f.close()
-        widths = {"dense": len(self.dense_features), "sparse": len(self.sparse_features)}
+        widths = {"dense": len(self.dense_features), "sparse": self.n_single}
         arrays = {
             k: {
                 "file": f"{k}.bin",
@@ -104,14 +224,18 @@ class PreparedWriter:
             }
             for k, dt in self.dtypes.items()
         }
+        for name, nnz in self.nnz.items():
+            for part in ("values", "offsets", "weights"):
+                key = f"{name}.{part}"
+                if key in self.jagged:
+                    shape = [self.num_rows + 1] if part == "offsets" else [nnz]
+                    arrays[key] = {"file": f"{key}.bin", "dtype": self.jagged[key].name, "shape": shape}
         meta = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "num_rows": self.num_rows,
             "dense_features": self.dense_features,
-            "sparse_features": [
-                {"name": s.name, "num_embeddings": int(s.num_embeddings)} for s in self.sparse_features
-            ],
+            "sparse_features": [s.to_meta() for s in self.sparse_features],
             "arrays": arrays,
             "info": self.info,
         }
@@ -155,9 +279,11 @@ class PreparedDataset:
             )
         self.num_rows = int(self.meta["num_rows"])
         self.dense_features: list[str] = list(self.meta["dense_features"])
-        self.sparse_features = [
-            SparseFeatureSpec(s["name"], int(s["num_embeddings"])) for s in self.meta["sparse_features"]
-        ]
+        try:
+            self.sparse_features = [SparseFeatureSpec.from_meta(s) for s in self.meta["sparse_features"]]
+            check_sparse_specs(self.sparse_features)
+        except (KeyError, TypeError, ValueError) as e:
+            raise PreparedFormatError(f"{meta_file}: bad sparse_features entry ({e})") from e
         self.info: dict[str, Any] = self.meta.get("info", {})
         self.arrays: dict[str, np.ndarray] = {}
         for name, spec in self.meta["arrays"].items():
@@ -172,12 +298,41 @@ class PreparedDataset:
                 np.memmap(f, dtype=dt, mode="r", shape=shape) if want else np.zeros(shape, dt)
             )
 
+        self._check_jagged()
+        # Column of each single-valued feature in sparse.bin (None for multi-hot features).
+        single = [i for i, s in enumerate(self.sparse_features) if not s.multi_hot]
+        self.sparse_column: list[int | None] = [None] * len(self.sparse_features)
+        for col, i in enumerate(single):
+            self.sparse_column[i] = col
+        self.any_multi_hot = len(single) < len(self.sparse_features)
+        self.needs_weights = any(s.weighted or s.pooling == "mean" for s in self.sparse_features)
+
+    def _check_jagged(self) -> None:
+        for s in self.sparse_features:
+            if not s.multi_hot:
+                continue
+            parts = ("values", "offsets", "weights") if s.weighted else ("values", "offsets")
+            missing = [p for p in parts if f"{s.name}.{p}" not in self.arrays]
+            if missing:
+                raise PreparedFormatError(f"{self.path}: multi-hot feature {s.name!r} has no {missing} array")
+            off, nnz = self.arrays[f"{s.name}.offsets"], len(self.arrays[f"{s.name}.values"])
+            if off.shape != (self.num_rows + 1,) or int(off[0]) != 0 or int(off[-1]) != nnz:
+                raise PreparedFormatError(
+                    f"{self.path}: {s.name}.offsets must have {self.num_rows + 1} entries from 0 to {nnz}"
+                )
+
     def __len__(self) -> int:
         return self.num_rows
 
     @property
     def table_sizes(self) -> list[int]:
+        """Rows of each feature's table, one entry per sparse feature (shared tables repeat)."""
         return [s.num_embeddings for s in self.sparse_features]
+
+    @property
+    def table_names(self) -> list[str]:
+        """The table each sparse feature looks up; features with the same name share one table."""
+        return [s.table_name for s in self.sparse_features]
 
     def column(self, name: str) -> np.ndarray:
         if name not in self.arrays:
@@ -192,7 +347,7 @@ class PreparedDataset:
         a = self.arrays
         return Batch(
             dense=torch.from_numpy(np.array(a["dense"][start:end], dtype=np.float32)),
-            sparse=SparseFeatures.from_dense_ids(np.array(a["sparse"][start:end], dtype=np.int64)),
+            sparse=self._sparse(slice(start, end), end - start),
             labels=torch.from_numpy(np.array(a["labels"][start:end], dtype=np.float32)),
             extras={k: torch.from_numpy(np.array(a[k][start:end])) for k in extras},
         )
@@ -200,9 +355,52 @@ class PreparedDataset:
     def gather(self, rows: np.ndarray, extras: tuple[str, ...] = ()) -> Batch:
         """Arbitrary rows (sorted index arrays read fastest) as a Batch."""
         a = self.arrays
+        rows = np.asarray(rows, dtype=np.int64)
         return Batch(
             dense=torch.from_numpy(np.asarray(a["dense"][rows], dtype=np.float32)),
-            sparse=SparseFeatures.from_dense_ids(np.asarray(a["sparse"][rows], dtype=np.int64)),
+            sparse=self._sparse(rows, len(rows)),
             labels=torch.from_numpy(np.asarray(a["labels"][rows], dtype=np.float32)),
             extras={k: torch.from_numpy(np.asarray(a[k][rows])) for k in extras},
         )
+
+    def _sparse(self, rows: slice | np.ndarray, b: int) -> SparseFeatures:
+        """Sparse ids of ``rows`` (a slice or an index array of b rows) in feature-major jagged form."""
+        single = np.array(self.arrays["sparse"][rows], dtype=np.int64)  # [B, n_single]
+        if not self.any_multi_hot and not self.needs_weights:
+            return SparseFeatures.from_dense_ids(single)
+        ids, lengths, weights = [], [], []
+        for s, col in zip(self.sparse_features, self.sparse_column, strict=True):
+            if col is not None:
+                ids.append(single[:, col])
+                n = np.ones(b, np.int64)
+                w = np.ones(b, np.float32)
+            else:
+                n, pos = self._bag_positions(s.name, rows, b)
+                ids.append(np.asarray(self.arrays[f"{s.name}.values"][pos], dtype=np.int64))
+                w = (np.asarray(self.arrays[f"{s.name}.weights"][pos], dtype=np.float32) if s.weighted
+                     else np.ones(len(pos), np.float32))
+                if s.pooling == "mean":  # every id weighs 1 / bag size, so the weighted sum is the mean
+                    w = w / np.repeat(n, n).astype(np.float32)
+            lengths.append(n)
+            weights.append(w)
+        offsets = np.zeros(b * len(lengths) + 1, np.int64)
+        np.cumsum(np.concatenate(lengths), out=offsets[1:])
+        return SparseFeatures(
+            torch.from_numpy(np.concatenate(ids)),
+            torch.from_numpy(offsets),
+            len(self.sparse_features),
+            torch.from_numpy(np.concatenate(weights)) if self.needs_weights else None,
+        )
+
+    def _bag_positions(self, name: str, rows: slice | np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """-> (bag sizes [B], positions [sum] into the feature's values array) for the selected rows."""
+        off = self.arrays[f"{name}.offsets"]
+        if isinstance(rows, slice):
+            o = np.array(off[rows.start : rows.stop + 1], dtype=np.int64)
+            return np.diff(o), np.arange(o[0], o[-1], dtype=np.int64)
+        starts = np.asarray(off[rows], dtype=np.int64)
+        n = np.asarray(off[rows + 1], dtype=np.int64) - starts
+        total = int(n.sum())
+        # position k of bag r is starts[r] + k: shift a running counter by each bag's start
+        shift = np.repeat(starts - (np.cumsum(n) - n), n)
+        return n, np.arange(total, dtype=np.int64) + shift

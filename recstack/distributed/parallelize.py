@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from recstack.config import DistConfig
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.metrics import BinaryMetrics
 from recstack.models.dlrm import DLRM
@@ -62,3 +65,28 @@ def all_gather_metrics(metrics: BinaryMetrics) -> BinaryMetrics:
     for s in states[1:]:
         merged.merge(BinaryMetrics.from_state(s))
     return merged
+
+
+def placements_from_config(
+    dist_cfg: DistConfig, table_names: list[str], world_size: int
+) -> list[tuple[str, list[int]]]:
+    """(sharding, ranks) per table: from the plan JSON when ``dist.plan`` is set, else ``dist.sharding`` for
+    every table (table_wise tables dealt round-robin)."""
+    if dist_cfg.plan:
+        path = Path(dist_cfg.plan)
+        try:
+            plan = json.loads(path.read_text())
+            entries = {t["name"]: (t["sharding"], [int(r) for r in t["ranks"]]) for t in plan["tables"]}
+            planned_world = int(plan["world_size"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a readable sharding plan ({type(e).__name__}: {e})") from e
+        if planned_world != world_size:
+            raise ValueError(f"{path}: planned for {planned_world} ranks, the job has {world_size}")
+        missing = [n for n in table_names if n not in entries]
+        if missing:
+            raise ValueError(f"{path}: no placement for tables {missing}")
+        return [entries[n] for n in table_names]
+    everyone = list(range(world_size))
+    if dist_cfg.sharding == "table_wise":
+        return [("table_wise", [i % world_size]) for i in range(len(table_names))]
+    return [(dist_cfg.sharding, everyone) for _ in table_names]

@@ -91,15 +91,17 @@ class _FusedLookup(torch.autograd.Function):
         module: FusedEmbeddingBagCollection = ctx.module
         # grad_out [bags, D]; each id receives the gradient of the bag it was pooled into.
         lengths = offsets[1:] - offsets[:-1]
-        if rows.numel() == lengths.numel():  # one id per bag: bag i holds id i
+        if rows.numel() == lengths.numel() and bool((lengths == 1).all()):  # one id per bag: bag i holds id i
             grads = grad_out
-        else:
-            bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths)
+        else:  # as many ids as bags is not enough: [2, 0, 1, 1] has that too
+            bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths,
+                                          output_size=rows.numel())
             grads = grad_out.index_select(0, bag)
         if psw is not None:
             grads = grads * psw.unsqueeze(1)
         module.apply_gradients(rows, grads)
-        return torch.zeros(0, device=grad_out.device), None, None, None, None
+        # None for the anchor: it only exists to get this backward called, nothing reads its gradient.
+        return None, None, None, None, None
 
 
 class FusedEmbeddingBagCollection(EmbeddingCollection):

@@ -15,8 +15,19 @@ def capped_table_sizes(table_sizes: list[int], max_table_size: int) -> list[int]
 
 
 def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = None) -> list[TableConfig]:
+    """``table_sizes`` and ``names`` have one entry per sparse feature: the table it looks up. Features that
+    name the same table share it (a schema's ``table = ...``), so their sizes must agree."""
     names = names or [f"t{i}" for i in range(len(table_sizes))]
-    return [TableConfig(names[i], n, dim, (i,)) for i, n in enumerate(table_sizes)]
+    features: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        features.setdefault(name, []).append(i)
+    tables = []
+    for name, feats in features.items():
+        sizes = {table_sizes[i] for i in feats}
+        if len(sizes) != 1:
+            raise ValueError(f"table {name!r} is shared by features {feats} with different sizes {sorted(sizes)}")
+        tables.append(TableConfig(name, table_sizes[feats[0]], dim, tuple(feats)))
+    return tables
 
 
 def sparse_optimizer_config(cfg: Config) -> SparseOptimizerConfig:

@@ -6,32 +6,20 @@ one (``recstack.distributed``) or a tiered one; nothing here is distributed.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from recstack.config import ModelConfig
 from recstack.data.batch import Batch
 from recstack.embedding.collection import EmbeddingCollection
+from recstack.models.fused_mlp import MLP
 from recstack.models.interaction import CatInteraction, DCNv2Interaction, DotInteraction
 
 
 def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
-    """Linear layers sizes[0] -> ... -> sizes[-1], ReLU between (and after the last if asked).
-
-    Init as in the DLRM reference: W ~ N(0, sqrt(2 / (fan_in + fan_out))), b ~ N(0, sqrt(1 / fan_out)).
-    """
-    layers: list[nn.Module] = []
-    for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-        lin = nn.Linear(m, n)
-        with torch.no_grad():
-            lin.weight.normal_(0.0, math.sqrt(2.0 / (m + n)))
-            lin.bias.normal_(0.0, math.sqrt(1.0 / n))
-        layers.append(lin)
-        if i < len(sizes) - 2 or last_activation:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    """Linear layers sizes[0] -> ... -> sizes[-1], ReLU between (and after the last if asked): an ``MLP``
+    (a Sequential of Linear/ReLU modules with a fused training step), DLRM reference init."""
+    return MLP(sizes, last_activation)
 
 
 class DLRM(nn.Module):

@@ -9,9 +9,39 @@ import torch
 from torch import nn
 
 
+class _GramPairs(torch.autograd.Function):
+    """Selected entries of each sample's Gram matrix: t [B, n, D] -> (t t^T).view(B, n*n)[:, pick] [B, P].
+
+    Autograd through ``bmm`` + advanced indexing would run two bmm's, a zero fill and an accumulating
+    index_put in backward. With Z = t t^T, dL/dt = (G + G^T) t where G [n, n] holds the pair gradients at
+    the picked positions, so backward is one gather that builds G + G^T directly (``spread`` maps every
+    position of the [n, n] matrix to its pair, or to a zero column) and one bmm.
+    """
+
+    @staticmethod
+    def forward(ctx, t, pick, spread, diagonal):  # type: ignore[override]
+        z = torch.bmm(t, t.transpose(1, 2))  # [B, n, n]
+        ctx.save_for_backward(t, spread)
+        ctx.diagonal = diagonal
+        return z.view(t.shape[0], -1).index_select(1, pick)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        t, spread = ctx.saved_tensors
+        b, n, _ = t.shape
+        padded = torch.cat([grad, grad.new_zeros(b, 1)], dim=1)  # [B, P + 1], column P is the zero
+        sym = padded.index_select(1, spread).view(b, n, n)  # G + G^T, except the diagonal holds G only
+        if ctx.diagonal:
+            sym.diagonal(dim1=1, dim2=2).mul_(2.0)  # d(t_i . t_i) / dt_i = 2 t_i
+        return torch.bmm(sym, t), None, None, None
+
+
 class DotInteraction(nn.Module):
     """All pairwise dot products of the n = F (+1 with dense) vectors, strict lower triangle (diagonal too
-    with ``itself``), concatenated after the dense vector: out_dim = D + n(n-1)/2 (DLRM paper, "dot")."""
+    with ``itself``), concatenated after the dense vector: out_dim = D + n(n-1)/2 (DLRM paper, "dot").
+
+    Pairs come in ``torch.tril_indices`` order (row by row), as in the DLRM reference.
+    """
 
     def __init__(self, num_features: int, dim: int, has_dense: bool, itself: bool = False) -> None:
         super().__init__()
@@ -19,13 +49,20 @@ class DotInteraction(nn.Module):
         li, lj = torch.tril_indices(n, n, offset=0 if itself else -1)
         self.register_buffer("li", li, persistent=False)
         self.register_buffer("lj", lj, persistent=False)
+        # pick [P]: flat position of each pair in the [n, n] Gram matrix. spread [n * n]: the pair at each
+        # position, mirrored across the diagonal; positions that are no pair read column P (zeros).
+        self.register_buffer("pick", li * n + lj, persistent=False)
+        spread = torch.full((n, n), li.numel(), dtype=torch.int64)
+        spread[li, lj] = torch.arange(li.numel())
+        spread[lj, li] = torch.arange(li.numel())
+        self.register_buffer("spread", spread.view(-1), persistent=False)
         self.has_dense = has_dense
+        self.itself = itself
         self.out_dim = (dim if has_dense else 0) + li.numel()
 
     def forward(self, dense: torch.Tensor | None, emb: torch.Tensor) -> torch.Tensor:
         t = torch.cat([dense.unsqueeze(1), emb], dim=1) if dense is not None else emb  # [B, n, D]
-        z = torch.bmm(t, t.transpose(1, 2))  # [B, n, n]
-        pairs = z[:, self.li, self.lj]  # [B, n(n-1)/2]
+        pairs = _GramPairs.apply(t, self.pick, self.spread, self.itself)  # [B, P]
         return torch.cat([dense, pairs], dim=1) if dense is not None else pairs
 
 

@@ -1,0 +1,139 @@
+"""What every schema-driven reader shares: errors that name file, row and column, bad-row bookkeeping, and
+the chunk type readers yield.
+
+A reader streams a file as :class:`RawChunk` s: a ``pyarrow.Table`` of at most ``chunk_rows`` rows holding
+the columns the schema asked for (strings for text formats, native types for Parquet; multi-hot libFM
+fields as list columns), plus where each row came from, so that any later check can point at the line.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+import pyarrow as pa
+
+
+class DataError(ValueError):
+    """A row of an input file breaks the schema. ``where`` is ``file:line`` for text files, ``file row N``
+    for Parquet (1-based), or just the file when the problem is not one row's."""
+
+    def __init__(self, where: str, column: str | None, value: object, reason: str) -> None:
+        self.where, self.column, self.value, self.reason = where, column, value, reason
+        super().__init__(_describe(where, column, value, reason))
+
+
+@dataclass(frozen=True)
+class BadRow:
+    where: str
+    column: str | None
+    value: object
+    reason: str
+
+    def __str__(self) -> str:
+        return _describe(self.where, self.column, self.value, self.reason)
+
+    def error(self) -> DataError:
+        return DataError(self.where, self.column, self.value, self.reason)
+
+
+def _describe(where: str, column: str | None, value: object, reason: str) -> str:
+    parts = [where]
+    if column is not None:
+        parts.append(f"column {column!r}")
+    if value is not None:
+        text = str(value)
+        reason += f" (got {text[:80] + '...' if len(text) > 80 else text!r})"
+    parts.append(reason)
+    return ": ".join(parts)
+
+
+@dataclass
+class BadRowLog:
+    """Without ``skip`` the first bad row raises; with it rows are dropped, counted and the first
+    ``keep`` remembered for the report."""
+
+    skip: bool = False
+    keep: int = 100
+    count: int = 0
+    rows: list[BadRow] = field(default_factory=list)
+
+    def add(self, bad: BadRow) -> None:
+        if not self.skip:
+            raise bad.error()
+        self.count += 1
+        if len(self.rows) < self.keep:
+            self.rows.append(bad)
+
+
+@dataclass
+class RawChunk:
+    """``table``: the requested columns of n rows. ``positions`` int64 [n]: 1-based line numbers (text
+    files) or row numbers (Parquet) inside ``file``; ``unit`` says which. ``file_index``: the input's
+    position in the list of inputs; ``first``: the position of the file's first record (2 after a CSV
+    header), so ``positions - first`` numbers records from 0 the same way in every format (the fraction
+    split hashes it)."""
+
+    table: pa.Table
+    file: str
+    positions: np.ndarray
+    unit: str
+    file_index: int = 0
+    first: int = 1
+
+    @property
+    def ordinals(self) -> np.ndarray:
+        """0-based record number in the file, int64 [n]."""
+        return self.positions - self.first
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def where(self, i: int) -> str:
+        """Location of row i of this chunk, for messages."""
+        p = int(self.positions[i])
+        return f"{self.file}:{p}" if self.unit == "line" else f"{self.file} row {p}"
+
+
+class Source:
+    """A readable input file. Subclasses set ``columns`` (the names a schema can refer to) and implement
+    :meth:`chunks`. ``size`` and ``size_unit`` drive the progress bar ("B" bytes or "rows")."""
+
+    columns: list[str]
+    size: int
+    size_unit: str
+
+    def __init__(self, path: str | Path, chunk_rows: int, log: BadRowLog) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"{self.path}: no such file")
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        self.chunk_rows = chunk_rows
+        self.log = log
+        self.progress = 0  # in ``size_unit``, advanced while reading
+
+    def require(self, names: list[str]) -> None:
+        """Raise a DataError naming the file if a column the schema needs is not in it."""
+        missing = [n for n in names if n not in self.columns]
+        if missing:
+            have = ", ".join(self.columns[:40]) + (" ..." if len(self.columns) > 40 else "")
+            raise DataError(str(self.path), missing[0], None,
+                            f"no such column in the file (it has: {have})")
+
+    def chunks(self, columns: list[str], file_index: int = 0) -> Iterator[RawChunk]:
+        raise NotImplementedError
+
+
+def open_binary(path: Path) -> BinaryIO:
+    """Open for reading bytes; gzip is recognised by its magic bytes, not the name."""
+    f = open(path, "rb")
+    if f.read(2) == b"\x1f\x8b":
+        f.seek(0)
+        return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
+    f.seek(0)
+    return f

@@ -1,0 +1,226 @@
+"""Cost model: predicted seconds per training step on each rank, and the memory each shard needs.
+
+Symbols. W ranks, L devices per node, N = W / L nodes; B per-rank batch, G = B * W global batch. A table
+has R rows, D columns and pooling P (mean ids per sample). A shard holds ``rows_s`` rows and ``c`` columns
+and receives a fraction f of the table's ids (1 for table-wise and column-wise; for a row block, its share
+of ``access_counts``, or rows_s / R when ids are uniform); u is the expected number of distinct rows it sees
+per step. Element sizes in bytes (:class:`CostConfig`): w weight (4, fp32), s optimizer state per row
+(row-wise Adagrad keeps one fp32 per row: 4; SGD none: 0), i id (8, int64), a / g one element of the
+forward / backward all-to-all (4 for fp32; 2 with the fp16 / bf16 codecs). Bandwidths (bytes/s) come from
+:class:`Topology`: ``hbm_bw`` device memory, ``intra_bw`` per-device link inside a node, ``inter_bw`` each
+device's share of the network between nodes.
+
+A rank talks to L-1 peers inside its node and W-L outside, so moving x bytes to (or from) every peer costs
+    link(x) = (L-1) * x / intra_bw + (W-L) * x / inter_bw      (the two kinds of link are not overlapped)
+
+Terms for a model-parallel shard (table_wise, column_wise, row_wise, table_row_wise), in seconds:
+    input_dist  = link(B * (P*f + 1) * i)         ids of its rows plus one bag length per sample, per peer;
+                                                  every column block needs all ids: k times the id traffic
+    lookup      = G * (P*f + 1) * c * w / hbm_bw  read P*f rows per sample, write the pooled [G, c]
+    output_dist = link(B * c * a)                 each peer's pooled [B, c]; row shards send partial sums
+                                                  of the full width D, so k row shards move k times the
+                                                  bytes of one table-wise table
+    grad_dist   = link(B * c * g)                 the gradients of those outputs, back to the shard
+    backward    = (G*(P*f + 1)*c*w + u*(2*c*w + 2*s)) / hbm_bw
+                                                  read output grads, accumulate them per id, read + write
+                                                  each touched row and its optimizer state (fused update)
+table_row_wise (k ranks of one node) first reduce-scatters the partial sums inside the node,
+(k-1)/k * G * D * a / intra_bw, then each shard sends its 1/k of the summed outputs: link(B * D * a / k).
+Across nodes the table thus moves what one table-wise shard would, spread over k ranks; gradients mirror it
+(an all-gather inside the node).
+
+data_parallel, on every rank, for its own B samples:
+    lookup    = B * (P + 1) * D * w / hbm_bw
+    allreduce = 2*(L-1)/L * S / intra_bw + 2*(N-1)/N * (S/L) / inter_bw, S = R * D * w: hierarchical
+                all-reduce of the dense table gradient (reduce-scatter and all-gather inside the node, an
+                all-reduce of each 1/L slice between nodes): the whole table every step, so small tables only
+    backward  = (B*(P + 1)*D*w + 2*R*D*w + u*(2*D*w + 2*s)) / hbm_bw
+                scatter local grads into the dense buffer, zero and scan it, update the rows touched
+                anywhere in the global batch
+
+Memory (HBM) per shard: rows_s * (c*w + s); data_parallel also keeps the dense gradient buffer, R * D * w.
+
+u: ids are independent draws. A bucket of r rows that receives n ids (uniform inside the bucket) has
+r * (1 - exp(-n / r)) distinct rows touched in expectation; a shard sums this over the access-count buckets
+it overlaps, with n = G * P * (bucket's share of the counts).
+
+Each shard's cost is charged to the rank that holds it: that rank's memory and links carry the whole
+batch's volume for the shard, while every peer carries a B-sized slice. The slices each rank receives are
+left out, as are latencies and the overlap of the next batch's input distribution with compute: the model
+ranks plans, it is not a timer.
+
+Storage tiers: every shard lives in HBM today. An HBM cache over host memory (a later feature) becomes one
+more way to store a shard: an :class:`Estimate` with a host-memory array beside ``hbm`` (checked per host
+against ``Topology.ddr_bytes`` in ``partition.py``), and lookup / backward terms priced by the cache hit
+rate and host memory bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from recstack.distributed.planner.types import PlanError, TableSharding, TableSpec, Topology
+from recstack.distributed.sharding import SHARDING_TYPES, row_blocks
+
+TERMS = ("input_dist", "lookup", "output_dist", "grad_dist", "backward", "allreduce")
+COMM_TERMS = ("input_dist", "output_dist", "grad_dist", "allreduce")
+OPTIMIZER_STATE_BYTES = {"sgd": 0, "rowwise_adagrad": 4}  # per row and shard
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """Element sizes in bytes and the sparse optimizer (its per-row state is stored with each shard)."""
+
+    weight_bytes: int = 4
+    fwd_comm_bytes: int = 4
+    bwd_comm_bytes: int = 4
+    index_bytes: int = 8
+    optimizer: str = "rowwise_adagrad"
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise PlanError(f"optimizer {self.optimizer!r}: expected one of {sorted(OPTIMIZER_STATE_BYTES)}")
+        for name in ("weight_bytes", "fwd_comm_bytes", "bwd_comm_bytes", "index_bytes"):
+            if getattr(self, name) <= 0:
+                raise PlanError(f"cost config: {name} must be positive")
+
+    @property
+    def state_bytes(self) -> int:
+        return OPTIMIZER_STATE_BYTES[self.optimizer]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The k shards of one table under one sharding type, in shard order (data_parallel: one per rank)."""
+
+    terms: np.ndarray  # [k, len(TERMS)] seconds per step, on the shard's rank
+    hbm: np.ndarray    # [k] bytes of device memory
+
+    @property
+    def cost(self) -> np.ndarray:
+        """[k] seconds per step of each shard."""
+        return self.terms.sum(axis=1)
+
+
+def row_access(table: TableSpec, blocks: Sequence[tuple[int, int]], n_ids: float) -> tuple[np.ndarray, np.ndarray]:
+    """Row blocks [(lo, hi)] of ``table`` and ``n_ids`` ids per step -> (share of ids per block [k],
+    expected distinct rows touched per block [k])."""
+    counts = np.asarray(table.access_counts or (1.0,), dtype=np.float64)
+    p = counts / counts.sum()  # [nb]
+    edges = np.linspace(0.0, table.rows, len(p) + 1)
+    width = np.diff(edges)
+    lo = np.array([b[0] for b in blocks], dtype=np.float64)[:, None]
+    hi = np.array([b[1] for b in blocks], dtype=np.float64)[:, None]
+    overlap = np.clip(np.minimum(hi, edges[1:]) - np.maximum(lo, edges[:-1]), 0.0, None)  # [k, nb]
+    share = (overlap / width) @ p
+    distinct = (overlap * -np.expm1(-n_ids * p / width)).sum(axis=1)
+    return share, distinct
+
+
+class CostModel:
+    """Per-shard estimates for a topology, per-rank batch size and :class:`CostConfig`."""
+
+    def __init__(self, topology: Topology, batch_size_per_rank: int, config: CostConfig | None = None) -> None:
+        if batch_size_per_rank <= 0:
+            raise PlanError(f"batch size per rank must be positive, got {batch_size_per_rank}")
+        self.topology = topology
+        self.batch = batch_size_per_rank
+        self.config = config or CostConfig()
+
+    def link(self, bytes_per_peer: float) -> float:
+        """Seconds to move ``bytes_per_peer`` to or from every other rank."""
+        t = self.topology
+        return ((t.devices_per_node - 1) * bytes_per_peer / t.intra_bw
+                + (t.world_size - t.devices_per_node) * bytes_per_peer / t.inter_bw)
+
+    def allreduce(self, nbytes: float) -> float:
+        """Hierarchical all-reduce of ``nbytes`` (seconds per rank)."""
+        t = self.topology
+        L, N = t.devices_per_node, t.nodes
+        return 2 * (L - 1) / L * nbytes / t.intra_bw + 2 * (N - 1) / N * (nbytes / L) / t.inter_bw
+
+    def reduce_in_node(self, nbytes: float, k: int) -> float:
+        """Reduce-scatter (or all-gather) of ``nbytes`` among k ranks of one node (seconds per rank)."""
+        return (k - 1) / k * nbytes / self.topology.intra_bw
+
+    def estimate(self, table: TableSpec, sharding: str, k: int) -> Estimate:
+        """Cost and memory of the k shards of ``table`` under ``sharding`` (formulas: module docstring).
+        table_wise takes k = 1 and data_parallel k = W whatever ``k`` says."""
+        cfg, topo, B = self.config, self.topology, self.batch
+        G, R, D, P = B * topo.world_size, table.rows, table.dim, table.pooling
+        w, s, bw = cfg.weight_bytes, cfg.state_bytes, topo.hbm_bw
+        if sharding == "data_parallel":
+            W = topo.world_size
+            _, touched = row_access(table, [(0, R)], G * P)
+            terms = _terms(W, lookup=B * (P + 1) * D * w / bw, allreduce=self.allreduce(R * D * w),
+                           backward=(B * (P + 1) * D * w + 2 * R * D * w + touched[0] * (2 * D * w + 2 * s)) / bw)
+            return Estimate(terms, np.full(W, R * (D * w + s) + R * D * w))
+        k = 1 if sharding == "table_wise" else k
+        if sharding not in SHARDING_TYPES or k < 1:
+            raise PlanError(f"no cost for sharding {sharding!r} over {k} ranks")
+        if sharding == "column_wise":
+            if D % k:
+                raise PlanError(f"table {table.name!r}: dim {D} does not split into {k} column blocks")
+            blocks, cols = [(0, R)] * k, D // k
+        else:
+            blocks, cols = row_blocks(R, k), D
+        share, touched = row_access(table, blocks, G * P)  # [k], [k]
+        rows = np.array([hi - lo for lo, hi in blocks], dtype=np.int64)
+        if sharding == "table_row_wise":
+            fwd, bwd = (self.reduce_in_node(G * D * nbytes, k) + self.link(B * D * nbytes / k)
+                        for nbytes in (cfg.fwd_comm_bytes, cfg.bwd_comm_bytes))
+        else:
+            fwd, bwd = self.link(B * cols * cfg.fwd_comm_bytes), self.link(B * cols * cfg.bwd_comm_bytes)
+        terms = _terms(
+            k,
+            input_dist=self.link(B * (P * share + 1) * cfg.index_bytes),
+            lookup=G * (P * share + 1) * cols * w / bw,
+            output_dist=fwd,
+            grad_dist=bwd,
+            backward=(G * (P * share + 1) * cols * w + touched * (2 * cols * w + 2 * s)) / bw,
+        )
+        return Estimate(terms, rows * (cols * w + s))
+
+    def plan_cost(self, tables: Sequence[TableSpec], entries: Sequence[TableSharding]) -> dict[str, Any]:
+        """The ``cost`` section of a plan: per-rank totals (seconds per step), max, mean, imbalance = max /
+        mean, compute and communication per rank, each term per rank, HBM bytes per rank."""
+        W = self.topology.world_size
+        terms = np.zeros((W, len(TERMS)))
+        hbm = np.zeros(W, dtype=np.int64)
+        specs = {t.name: t for t in tables}
+        for e in entries:
+            est = self.estimate(specs[e.name], e.sharding, len(e.ranks))
+            np.add.at(terms, e.ranks, est.terms)
+            np.add.at(hbm, e.ranks, est.hbm)
+        return _summarize(terms, hbm, self.config)
+
+
+def _summarize(terms: np.ndarray, hbm: np.ndarray, config: CostConfig) -> dict[str, Any]:
+    """terms [W, len(TERMS)] seconds, hbm [W] bytes -> the plan's cost dictionary."""
+    per_rank = terms.sum(axis=1)
+    comm = terms[:, [TERMS.index(n) for n in COMM_TERMS]].sum(axis=1)
+    mx, mean = float(per_rank.max()), float(per_rank.mean())
+    return {
+        "per_rank": per_rank.tolist(),
+        "max": mx,
+        "mean": mean,
+        "imbalance": mx / mean if mean > 0 else 1.0,
+        "compute_per_rank": (per_rank - comm).tolist(),
+        "comm_per_rank": comm.tolist(),
+        "breakdown": {name: terms[:, i].tolist() for i, name in enumerate(TERMS)},
+        "hbm_bytes_per_rank": [int(b) for b in hbm],
+        "units": "seconds per training step; bytes",
+        "config": asdict(config),
+    }
+
+
+def _terms(k: int, **values: float | np.ndarray) -> np.ndarray:
+    """Named terms (scalars or [k] arrays; absent ones are zero) -> [k, len(TERMS)]."""
+    out = np.zeros((k, len(TERMS)))
+    for name, value in values.items():
+        out[:, TERMS.index(name)] = value
+    return out

@@ -1,0 +1,107 @@
+"""Multi-layer perceptrons whose training step runs as one autograd node.
+
+``MLP`` is an ``nn.Sequential`` of ``nn.Linear`` layers with ``nn.ReLU`` between them (and optionally after the
+last), so its parameters, state_dict keys and eval-mode forward are those of the plain Sequential. In training
+its forward and backward are hand-written: ReLU is applied in place on each layer's output (that output is
+also the next layer's input, so nothing else is kept for backward), there is one autograd node instead of
+three per layer, and on CPU weight gradients are computed in the orientation that keeps MKL on its fast
+path (see ``_weight_grad_transposed``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+
+def _weight_grad_transposed(in_features: int, device: torch.device) -> bool:
+    """Whether to compute a layer's weight gradient as (x^T g)^T rather than g^T x on this device.
+
+    When ``in_features`` is not a multiple of 16 (13 dense features, 367 DLRM interaction outputs), MKL's
+    sgemm is up to 3x slower if that odd size is the row length of the product it writes; the transposed
+    product puts the aligned size there, and only the small [out, in] result is transposed back (autograd
+    copies it into the parameter's layout). cuBLAS shows no such cliff, so this is done on CPU only.
+    """
+    return device.type == "cpu" and in_features % 16 != 0
+
+
+class _FusedMLP(torch.autograd.Function):
+    """x [B, in] -> y [B, out] through Linear layers, ReLU after every layer flagged in ``relu``."""
+
+    @staticmethod
+    def forward(ctx, x, relu, *params):  # type: ignore[override]
+        h = x
+        outs = []
+        for i, on in enumerate(relu):
+            h = torch.addmm(params[2 * i + 1], h, params[2 * i].t())  # [B, out_i]
+            if on:
+                h.relu_()  # in place: backward only needs where the output is positive
+            outs.append(h)
+        ctx.relu = relu
+        ctx.save_for_backward(x, *outs, *params)
+        return h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        n = len(ctx.relu)
+        saved = ctx.saved_tensors
+        x, outs, params = saved[0], saved[1 : n + 1], saved[n + 1 :]
+        grads: list[torch.Tensor | None] = [None] * (2 * n)
+        g = grad
+        for i in reversed(range(n)):
+            w = params[2 * i]  # [out_i, in_i]
+            if ctx.relu[i]:
+                g = torch.ops.aten.threshold_backward(g, outs[i], 0)  # zero where ReLU clipped
+            inp = outs[i - 1] if i > 0 else x
+            if ctx.needs_input_grad[2 + 2 * i]:
+                flip = _weight_grad_transposed(w.shape[1], w.device)
+                grads[2 * i] = inp.t().mm(g).t() if flip else g.t().mm(inp)  # [out_i, in_i]
+            if ctx.needs_input_grad[3 + 2 * i]:
+                grads[2 * i + 1] = g.sum(0)
+            if i > 0 or ctx.needs_input_grad[0]:
+                g = g.mm(w)  # [B, in_i]
+        gx = g if ctx.needs_input_grad[0] else None
+        return gx, None, *grads
+
+
+class MLP(nn.Sequential):
+    """Linear layers sizes[0] -> ... -> sizes[-1], ReLU between (and after the last with ``last_activation``).
+
+    Init as in the DLRM reference: W ~ N(0, sqrt(2 / (fan_in + fan_out))), b ~ N(0, sqrt(1 / fan_out)).
+    Input [B, sizes[0]] -> [B, sizes[-1]].
+    """
+
+    def __init__(self, sizes: list[int], last_activation: bool) -> None:
+        layers: list[nn.Module] = []
+        relu: list[bool] = []
+        for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+            lin = nn.Linear(m, n)
+            with torch.no_grad():
+                lin.weight.normal_(0.0, math.sqrt(2.0 / (m + n)))
+                lin.bias.normal_(0.0, math.sqrt(1.0 / n))
+            layers.append(lin)
+            relu.append(i < len(sizes) - 2 or last_activation)
+            if relu[-1]:
+                layers.append(nn.ReLU())
+        super().__init__(*layers)
+        self._relu = tuple(relu)
+        self._num_modules = len(layers)
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        """The hand-written step covers plain float 2-D inputs of the layers built in __init__ only."""
+        return (
+            len(self) == self._num_modules  # nobody appended or removed modules since
+            and x.dim() == 2
+            and x.dtype == self[0].weight.dtype
+            and not torch.is_autocast_enabled(x.device.type)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not self._fusable(x):
+            return super().forward(x)
+        params = [p for m in self if isinstance(m, nn.Linear) for p in (m.weight, m.bias)]
+        return _FusedMLP.apply(x, self._relu, *params)

@@ -1,0 +1,80 @@
+"""The throughput benchmark compares like with like: the per-table baseline computes the same model and the
+same SGD step as recstack, and the benchmark's inputs are what it says they are."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.baseline_dlrm import BaselineDLRM, make_optimizer, train_step  # noqa: E402
+from bench.train_throughput import DenseFloor, make_data, zipf_ids  # noqa: E402
+from recstack.config import Config  # noqa: E402
+from recstack.models.build import build_dense_optimizer, build_model  # noqa: E402
+from recstack.trainer import Trainer  # noqa: E402
+
+SIZES = [11, 3, 40, 7]
+
+
+def _models() -> tuple[torch.nn.Module, SimpleNamespace, BaselineDLRM, torch.optim.Optimizer]:
+    cfg = Config()
+    cfg.model.embedding_dim = 4
+    cfg.model.bottom_mlp = [8, 4]
+    cfg.model.top_mlp = [6, 1]
+    cfg.optim.dense_lr = cfg.optim.sparse_lr = 0.3
+    torch.manual_seed(0)
+    model = build_model(cfg, 13, SIZES, "cpu")  # the benchmark data has 13 dense features
+    model.train()
+    trainer = SimpleNamespace(model=model, net=model, device=torch.device("cpu"),
+                              optimizer=build_dense_optimizer(cfg, model.dense_parameters()))
+    base = BaselineDLRM(13, SIZES, 4, cfg.model.bottom_mlp, cfg.model.top_mlp)
+    with torch.no_grad():  # same weights, so the two must agree step for step
+        for t, bag in enumerate(base.emb_l):
+            bag.weight.copy_(model.embeddings.table_weight(f"t{t}"))
+        base.bot_l.load_state_dict(model.bottom.state_dict())
+        base.top_l.load_state_dict(model.top.state_dict())
+    return model, trainer, base, make_optimizer(base, 0.3)
+
+
+def test_baseline_trains_the_same_model_as_recstack() -> None:
+    model, trainer, base, base_opt = _models()
+    data = make_data(SIZES, batch=16, num_batches=3, seed=4)
+    for d in data:  # repeated ids inside a batch: the small tables guarantee them
+        with torch.no_grad():
+            torch.testing.assert_close(base(d["dense"], d["ids"], d["offsets"]), model(d["batch"]))
+        loss_r = Trainer.train_step(trainer, d["batch"])  # type: ignore[arg-type]
+        loss_b = train_step(base, base_opt, d["dense"], d["ids"], d["offsets"], d["labels"])
+        assert abs(loss_r - loss_b) < 1e-6
+    for t, bag in enumerate(base.emb_l):
+        torch.testing.assert_close(bag.weight, model.embeddings.table_weight(f"t{t}"), rtol=1e-5, atol=1e-6)
+    for p_b, p_r in zip(base.top_l.parameters(), model.top.parameters(), strict=True):
+        torch.testing.assert_close(p_b, p_r, rtol=1e-5, atol=1e-6)
+
+
+def test_floor_uses_copies_of_the_recstack_dense_layers() -> None:
+    model, _, _, _ = _models()
+    floor = DenseFloor(model, batch=8, num_features=len(SIZES), dim=4, seed=0)
+    assert floor.top is not model.top
+    assert floor.top.state_dict().keys() == model.top.state_dict().keys()
+    d = make_data(SIZES, batch=8, num_batches=1, seed=0)[0]
+    before = [p.clone() for p in floor.top.parameters()]
+    floor.step(0, d["dense"], d["labels"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, floor.top.parameters(), strict=True))
+    assert all(e.grad is None for e in floor.emb)
+
+
+def test_zipf_ids_are_in_range_and_skewed() -> None:
+    sizes = [1_000_000, 3, 500]
+    ids = zipf_ids(sizes, 20_000, torch.Generator().manual_seed(0))
+    assert ids.shape == (20_000, 3)
+    for f, n in enumerate(sizes):
+        assert int(ids[:, f].min()) >= 0 and int(ids[:, f].max()) < n
+    counts = torch.bincount(ids[:, 0])
+    assert counts.max() > 500  # the hottest of 1M rows: ~5% of draws, uniform would give ~0.02
+    assert ids[:, 0].unique().numel() > 2_000  # but a long tail
