@@ -17,8 +17,9 @@ def add_schema_prepare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats-from", metavar="DIR",
                    help="with --schema: reuse the vocabularies and dense statistics of an earlier prepared "
                         "training directory instead of computing them")
-    p.add_argument("--chunk-rows", type=int, default=65536, help="rows read and encoded at a time (memory bound)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--chunk-rows", type=int, default=65536,
+                   help="with --schema: rows read and encoded at a time (bounds memory)")
+    p.add_argument("--no-progress", action="store_true", help="with --schema: no progress bar")
 
 
 def run_schema_prepare(args: argparse.Namespace) -> None:
