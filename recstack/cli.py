@@ -138,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"recstack {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if type(e).__name__ != "PeerFailure":
+            raise
+        print(f"recstack {args.command}: error: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -94,6 +94,7 @@ class DistConfig:
     backward_codec: str = "fp32"
     timeout_s: float = 300.0
     ranks_per_node: int = 0  # 0 = LOCAL_WORLD_SIZE from torchrun
+    pipeline: bool = True  # distribute the next batch's ids while the current batch computes
 
 
 @dataclass

@@ -101,3 +101,53 @@ def plot_curves(metrics_jsonl: Path | str, out_png: Path | str) -> Path:
     FigureCanvasAgg(fig)  # attaches itself to fig; savefig then renders with Agg
     fig.savefig(out_png, dpi=100)
     return out_png
+
+
+# Per-step time components of distributed training, as logged by the trainer (seconds per step, averaged
+# over each log window). "compute" is what is left of the step after the blocking collectives.
+_BREAKDOWN = (
+    ("time_data_wait", "data wait"),
+    ("time_input_dist", "input distribution"),
+    ("time_fwd_a2a", "forward all-to-all"),
+    ("time_bwd_a2a", "backward all-to-all"),
+    ("time_allreduce_emb", "embedding all-reduce"),
+    ("time_allreduce_dense", "dense all-reduce (overlaps backward)"),
+)
+
+
+def plot_comm_breakdown(metrics_jsonl: Path | str, out_png: Path | str, pipelined: bool = False) -> Path:
+    """Stacked bars of the mean time per step in each phase over the run (one bar per log window).
+
+    With ``pipelined`` the input distribution runs in the loader thread, overlapped with compute, so it is
+    drawn but not subtracted from the step to get the compute time.
+    """
+    source, out = Path(metrics_jsonl), Path(out_png)
+    rows = [r for r in read_jsonl(source) if r.get("kind") == "train" and r.get("time_step") is not None]
+    fig = Figure(figsize=(9, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if not rows:
+        ax.text(0.5, 0.5, "no timed training steps", ha="center", va="center")
+        ax.set_axis_off()
+    else:
+        steps = [float(r["step"]) for r in rows]
+        width = (steps[1] - steps[0]) * 0.8 if len(steps) > 1 else 1.0
+        bottom = [0.0] * len(rows)
+        blocking = ("time_fwd_a2a", "time_bwd_a2a", "time_allreduce_emb") + (() if pipelined else ("time_input_dist",))
+        compute = [max(float(r["time_step"]) - sum(float(r.get(k) or 0.0) for k in blocking), 0.0) for r in rows]
+        for key, label in (("compute", "compute"), *_BREAKDOWN):
+            values = compute if key == "compute" else [float(r.get(key) or 0.0) * 1e3 for r in rows]
+            if key == "compute":
+                values = [v * 1e3 for v in values]
+            if not any(values):
+                continue
+            ax.bar(steps, values, width, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.set_xlabel("step")
+        ax.set_ylabel("ms per step")
+        ax.set_title("time per training step by phase")
+        ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out

@@ -12,6 +12,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from tqdm import tqdm
 
 from recstack.checkpoint import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from recstack.config import Config
+from recstack.data.batch import Batch
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.logger import MetricsLogger
@@ -40,6 +42,20 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def optimizer_step(
+    loss_fn: Callable[[Batch], torch.Tensor], optimizer: torch.optim.Optimizer, batch: Batch, device: torch.device
+) -> float:
+    """One training step shared by every loop (this Trainer, the ExFM streams): move the batch to the device,
+    compute ``loss_fn(batch)``, backward (which also applies the embedding updates), dense optimizer step.
+    -> the loss as a float."""
+    batch = batch.to(device, non_blocking=True)
+    loss = loss_fn(batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()  # also applies the embedding updates
+    optimizer.step()
+    return loss.item()
 
 
 def prepare_data(cfg: Config, output_dir: Path | None) -> tuple[PreparedDataset, PreparedDataset, tuple[int, int]]:
@@ -116,10 +132,9 @@ class Trainer:
         self.samples = 0
         self.train_seconds = 0.0
         self.logger = MetricsLogger(self.output_dir if self.is_main else None)
-        self.ckpt_dir = self.output_dir / "checkpoints" if self.output_dir and self.world == 1 else None
-        if self.world > 1 and (resume or t.checkpoint_every):
-            raise ValueError("checkpoints of sharded models are not supported yet: run without --resume and "
-                             "with train.checkpoint_every=0")
+        self.ckpt_dir = self.output_dir / "checkpoints" if self.output_dir else None
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            resume = True  # torchrun --max-restarts started us again after a failure: continue, do not redo
         if resume:
             self._resume()
 
@@ -131,13 +146,19 @@ class Trainer:
         rpn = d.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         placements = placements_from_config(d, [t.name for t in self.model.embeddings.tables], self.world)
         shard_model(self.model, placements, self.cfg.train.seed, self.device, d.forward_codec, d.backward_codec, rpn)
-        self.net = wrap_ddp(self.model, self.device)
+        self.net = wrap_ddp(self.model, self.device, self.model.embeddings.stats)
+        if d.pipeline:  # the prefetch thread moves each batch to the device and distributes its ids
+            emb, device = self.model.embeddings, self.device
+            self.train_loader.transform = lambda b: _route(emb, b.to(device))
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         pos = self.train_loader.position
+        model_state = self.model.state_dict()
+        if self.world > 1:  # embedding shards go through DCP, not into this replicated file
+            model_state = {k: v for k, v in model_state.items() if not k.startswith("embeddings.")}
         return {
-            "model": self.model.state_dict(),
+            "model": model_state,
             "dense_optimizer": self.optimizer.state_dict(),
             "position": {"epoch": pos.epoch, "batch": pos.batch},
             "samples": self.samples,
@@ -150,7 +171,9 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=self.world == 1)
+        if unexpected or any(not k.startswith("embeddings.") for k in missing):
+            raise RuntimeError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
         self.optimizer.load_state_dict(state["dense_optimizer"])
         self.train_loader.position = LoaderPosition(**state["position"])
         self.step = int(state["step"])
@@ -159,7 +182,15 @@ class Trainer:
         set_rng_state(state["rng"])
 
     def _resume(self) -> None:
-        state = latest_checkpoint(self.ckpt_dir, self.device) if self.ckpt_dir else None
+        if self.world > 1:
+            from recstack.distributed.checkpoint import list_sharded, load_sharded
+
+            found = list_sharded(self.ckpt_dir) if self.ckpt_dir else []
+            state = load_sharded(found[-1], self.model.embeddings, self.device) if found else None
+            if state is not None:
+                state["path"] = str(found[-1])
+        else:
+            state = latest_checkpoint(self.ckpt_dir, self.device) if self.ckpt_dir else None
         if state is None:
             print("resume: no checkpoint found, starting from scratch")
             return
@@ -169,30 +200,48 @@ class Trainer:
     def save(self) -> Path | None:
         if self.ckpt_dir is None:
             return None
-        return save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), keep=self.cfg.train.keep_checkpoints)
+        keep = self.cfg.train.keep_checkpoints
+        if self.world > 1:
+            from recstack.distributed.checkpoint import save_sharded
+
+            return save_sharded(self.ckpt_dir, self.step, self.model.embeddings, self.state_dict(), keep)
+        return save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), keep=keep)
 
     # -- loop ------------------------------------------------------------------------------------------
     def train_step(self, batch) -> float:
-        batch = batch.to(self.device, non_blocking=True)
-        logits = self.net(batch)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # also applies the embedding updates
-        self.optimizer.step()
-        return loss.item()
+        return optimizer_step(self._loss, self.optimizer, batch, self.device)
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(self.net(batch), batch.labels)
 
     def train(self) -> dict[str, Any]:
+        if self.world == 1:
+            return self._train()
+        try:
+            return self._train()
+        except (RuntimeError, torch.distributed.DistError) as e:
+            from recstack.distributed.parallelize import PeerFailure
+
+            raise PeerFailure(
+                f"rank {self.rank}: a collective with the other ranks failed (a rank died, or none answered within "
+                f"dist.timeout_s={self.cfg.dist.timeout_s:g} s) at step {self.step}: {e}"
+            ) from e
+
+    def _train(self) -> dict[str, Any]:
         t = self.cfg.train
         self.net.train()
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (t.progress and self.is_main),
                    unit="step", dynamic_ncols=True)
-        window_loss, window_n, window_t0 = 0.0, 0, time.perf_counter()
+        window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, time.perf_counter(), 0.0, 0.0
         tick = window_t0  # train_seconds counts data wait + steps, not evaluation or checkpoints
         while self.step < self.total_steps:
             for batch in self.train_loader.iterate_epoch():
+                started = time.perf_counter()
                 loss = self.train_step(batch)
                 now = time.perf_counter()
                 self.train_seconds += now - tick
+                window_wait += started - tick  # waiting for the loader
+                window_step += now - started
                 tick = now
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"step {self.step + 1}: loss is {loss}; lower the learning rates")
@@ -204,13 +253,14 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == self.total_steps:
                     now = time.perf_counter()
                     sps = window_n * t.batch_size * self.world / max(now - window_t0, 1e-9)
-                    values = {"loss": window_loss / window_n, "samples_per_sec": sps}
+                    values = {"loss": window_loss / window_n, "samples_per_sec": sps,
+                              "time_data_wait": window_wait / window_n, "time_step": window_step / window_n}
                     stats = getattr(self.model.embeddings, "stats", None)
                     if stats is not None:  # bytes and seconds per collective since the last log line
                         values.update({k: v / window_n for k, v in stats.pop().items()})
                     self.logger.log(self.step, "train", values)
                     bar.set_postfix(loss=f"{window_loss / window_n:.4f}", samples_s=f"{sps:,.0f}")
-                    window_loss, window_n, window_t0 = 0.0, 0, now
+                    window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, now, 0.0, 0.0
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
                     self.logger.log(self.step, "eval", self.evaluate())
                     tick = window_t0 = time.perf_counter()
@@ -269,7 +319,15 @@ class Trainer:
             out["auc_gap_closed"] = (out["auc"] - 0.5) / (oracle - 0.5) if oracle > 0.5 else None
         if self.output_dir and self.is_main:
             (self.output_dir / "summary.json").write_text(json.dumps(out, indent=2))
-            from recstack.plots import plot_curves
+            from recstack.plots import plot_comm_breakdown, plot_curves
 
             plot_curves(self.output_dir / "metrics.jsonl", self.output_dir / "curves.png")
+            if self.world > 1:
+                plot_comm_breakdown(self.output_dir / "metrics.jsonl", self.output_dir / "comm_breakdown.png",
+                                    pipelined=self.cfg.dist.pipeline)
         return out
+
+
+def _route(embeddings: torch.nn.Module, batch: Batch) -> Batch:
+    embeddings.route(batch.sparse)
+    return batch

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +42,7 @@ class BatchLoader:
         rank: int = 0,
         world_size: int = 1,
         prefetch: int = 2,
+        transform: Callable[[Batch], Batch] | None = None,
     ) -> None:
         self.ds = dataset
         self.batch_size = batch_size  # per rank
@@ -53,6 +54,7 @@ class BatchLoader:
         )  # [F] rows per table after capping; ids are taken modulo
         self.rank, self.world_size = rank, world_size
         self.prefetch = prefetch
+        self.transform = transform  # runs in the prefetch thread, e.g. a pipelined input distribution
         self.position = LoaderPosition()
 
     @property
@@ -81,7 +83,7 @@ class BatchLoader:
             s = batch.sparse
             caps = self.table_caps.repeat_interleave(s.lengths.view(s.num_features, -1).sum(1))
             s.ids = torch.remainder(s.ids, caps)
-        return batch
+        return self.transform(batch) if self.transform is not None else batch
 
     def iterate_epoch(self) -> Iterator[Batch]:
         """Yields the rest of the current epoch from ``position``; advances ``position`` as it goes."""

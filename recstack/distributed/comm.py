@@ -7,6 +7,7 @@ everything sent are accumulated in a ``CommStats`` for logging.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -18,21 +19,25 @@ from recstack.distributed.codecs import Codec, get_codec
 
 @dataclass
 class CommStats:
-    """Per-step counters: bytes this rank sent and seconds spent, by phase name."""
+    """Per-step counters: bytes this rank sent and seconds spent, by phase name. Thread-safe: the pipelined
+    input distribution (loader thread) and DDP's all-reduce callbacks add to it too."""
 
     bytes_sent: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, phase: str, nbytes: int, seconds: float) -> None:
-        self.bytes_sent[phase] = self.bytes_sent.get(phase, 0) + nbytes
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+        with self.lock:
+            self.bytes_sent[phase] = self.bytes_sent.get(phase, 0) + nbytes
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
     def pop(self) -> dict[str, float]:
         """Flat dict for metrics.jsonl (``bytes_<phase>``, ``time_<phase>``), then reset."""
-        out: dict[str, float] = {f"bytes_{k}": float(v) for k, v in self.bytes_sent.items()}
-        out.update({f"time_{k}": v for k, v in self.seconds.items()})
-        self.bytes_sent.clear()
-        self.seconds.clear()
+        with self.lock:
+            out: dict[str, float] = {f"bytes_{k}": float(v) for k, v in self.bytes_sent.items()}
+            out.update({f"time_{k}": v for k, v in self.seconds.items()})
+            self.bytes_sent.clear()
+            self.seconds.clear()
         return out
 
 

@@ -5,16 +5,23 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from recstack.config import DistConfig
+from recstack.distributed.comm import CommStats
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.metrics import BinaryMetrics
 from recstack.models.dlrm import DLRM
+
+
+class PeerFailure(RuntimeError):
+    """Another rank died or stopped answering; this rank gives up instead of hanging."""
 
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
@@ -50,11 +57,28 @@ def shard_model(
     return model
 
 
-def wrap_ddp(model: DLRM, device: torch.device) -> DDP:
-    """DDP over the dense parameters only: embedding buffers differ per rank and update themselves."""
+def wrap_ddp(model: DLRM, device: torch.device, stats: CommStats | None = None) -> DDP:
+    """DDP over the dense parameters only: embedding buffers differ per rank and update themselves.
+    With ``stats``, each gradient bucket's all-reduce is timed (launch to completion; it overlaps backward)."""
     ignore = [f"embeddings.{name}" for name, _ in model.embeddings.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    if stats is not None:
+        ddp.register_comm_hook(stats, _timed_allreduce)
+    return ddp
+
+
+def _timed_allreduce(stats, bucket):  # type: ignore[no-untyped-def]  (DDP checks real, not string, annotations)
+    t0 = time.perf_counter()
+    buf = bucket.buffer()
+    nbytes = buf.numel() * buf.element_size()
+    fut = default_hooks.allreduce_hook(None, bucket)  # mean over ranks, as DDP does by default
+
+    def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        stats.add("allreduce_dense", nbytes, time.perf_counter() - t0)
+        return f.value()
+
+    return fut.then(done)
 
 
 def all_gather_metrics(metrics: BinaryMetrics) -> BinaryMetrics:

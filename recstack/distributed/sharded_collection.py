@@ -80,6 +80,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.ids_group = dist.new_group()
         self.out_group = dist.new_group()
         self.dp_group = dist.new_group()
+        self.pipeline_group = dist.new_group()  # input distribution run ahead from the loader thread
         self.stats = CommStats()
         self.forward_codec, self.backward_codec = forward_codec, backward_codec
         self.shards: list[list[Shard]] = [
@@ -138,8 +139,17 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 self.replicated.weight.copy_(torch.cat([init_table(self.tables[t], seed, t) for t in dp_tables]))
 
     # -- forward -----------------------------------------------------------------------------------------
-    def _input_dist(self, sparse: SparseFeatures) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor | None]]:
-        """-> (batch size of every rank, ids per owned pair (all ranks' samples), lengths per owned pair)."""
+    def route(self, sparse: SparseFeatures) -> SparseFeatures:
+        """Distribute the ids of a future batch now (pipelining: called from the loader's prefetch thread
+        while the current batch computes, on a process group of its own); forward then skips that step."""
+        sparse.routed = self._input_dist(sparse, self.pipeline_group)
+        return sparse
+
+    def _input_dist(
+        self, sparse: SparseFeatures, group: dist.ProcessGroup | None = None
+    ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor | None]]:
+        """-> (batch size of every rank, (ids, lengths) per owned pair over all ranks' samples, weights)."""
+        group = group or self.ids_group
         b = sparse.batch_size
         lengths = sparse.lengths.view(sparse.num_features, b)  # [F, B]
         starts = sparse.offsets[:-1:b].tolist() + [int(sparse.offsets[-1])]
@@ -163,8 +173,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             send_ids.append(torch.cat([head, *lens, *ids]))
             if sparse.weights is not None:
                 send_w.append(torch.cat([w for w in ws if w is not None]) if ws else sparse.weights[:0])
-        recv = all_to_all_variable(send_ids, self.ids_group, self.stats, "input_dist")
-        recv_w = (all_to_all_variable(send_w, self.ids_group, self.stats, "input_dist")
+        recv = all_to_all_variable(send_ids, group, self.stats, "input_dist")
+        recv_w = (all_to_all_variable(send_w, group, self.stats, "input_dist")
                   if sparse.weights is not None else [None] * self.world)
         n = len(self.pairs[self.rank])
         batch_sizes = [int(m[0]) for m in recv]
@@ -191,7 +201,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         if sparse.num_features != self.num_features:
             raise ValueError(f"got {sparse.num_features} sparse features, collection has {self.num_features}")
         b = sparse.batch_size
-        batch_sizes, pair_data, pair_w = self._input_dist(sparse)
+        routed, sparse.routed = sparse.routed, None  # a routed batch is consumed once
+        batch_sizes, pair_data, pair_w = routed if routed is not None else self._input_dist(sparse)
         grad_scale = 1.0 / self.world
         pooled: dict[str, torch.Tensor] = {}
         for key, idxs in self.group_pairs.items():

@@ -1,0 +1,77 @@
+"""Sharded checkpoints (save with 4 ranks, resume with 2 in another layout) and rank failure handling."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+COMMON = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.threads=1",
+          "train.progress=false", "train.log_every=10", 'optim.sparse="rowwise_adagrad"', "train.eval_batch_size=512"]
+METRICS = ("auc", "logloss", "ne", "calibration", "train_samples", "steps")
+
+
+def _torchrun(n: int, data: Path, out: Path, extra: list[str], resume: bool = False) -> dict:
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+            "-m", "recstack", "train", "--output-dir", str(out), "--set", f'data.train="{data}"']
+    if resume:
+        args.append("--resume")
+    for o in [*COMMON, *extra]:
+        args += ["--set", o]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_save_with_4_resume_with_2(tiny_dataset: Path, tmp_path: Path) -> None:
+    # 4 ranks x 32 (table-wise: one table per rank) for 30 steps, then 2 ranks x 64 row-wise to step 60:
+    # the same global batches, so it must equal 2 ranks x 64 row-wise for all 60 steps.
+    run = tmp_path / "run"
+    _torchrun(4, tiny_dataset, run, ["train.batch_size=32", "train.max_steps=30", "train.checkpoint_every=30",
+                                     'dist.sharding="table_wise"'])
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["step_000000030"]
+    resumed = _torchrun(2, tiny_dataset, run, ["train.batch_size=64", "train.max_steps=60",
+                                               'dist.sharding="row_wise"'], resume=True)
+    straight = _torchrun(2, tiny_dataset, tmp_path / "straight", ["train.batch_size=64", "train.max_steps=60",
+                                                                  'dist.sharding="row_wise"'])
+    for k in METRICS:
+        assert resumed[k] == pytest.approx(straight[k], abs=1e-5), k
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dead_rank_stops_the_others_with_a_clear_error(tiny_dataset: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        args = [sys.executable, "-m", "recstack", "train", "--output-dir", str(tmp_path / "run"),
+                "--set", f'data.train="{tiny_dataset}"', "--set", "train.epochs=50", "--set", "train.batch_size=32",
+                "--set", "dist.timeout_s=20"]
+        for o in COMMON:
+            args += ["--set", o]
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.1)
+    assert procs[0].poll() is None, "training ended before a rank could be killed"
+    os.kill(procs[1].pid, signal.SIGKILL)
+    killed_at = time.time()
+    err = procs[0].communicate(timeout=120)[1]
+    assert time.time() - killed_at < 60  # timeout 20 s plus start-up slack, never a hang
+    assert procs[0].returncode == 3, err[-2000:]
+    assert "a collective with the other ranks failed" in err
