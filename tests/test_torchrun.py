@@ -44,3 +44,47 @@ def test_torchrun_two_ranks_match_single(
     lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     train_lines = [x for x in lines if x["kind"] == "train"]
     assert all(x["bytes_fwd_a2a"] > 0 and x["bytes_bwd_a2a"] > 0 for x in train_lines)
+
+
+def test_planner_plan_trains_and_matches(tiny_dataset: Path, tmp_path: Path, single: dict) -> None:
+    from recstack.cli import main
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--tables", str(tiny_dataset), "--dim", "8", "--topology", "1x2", "--batch-size", "64",
+                 "--out", str(plan)]) == 0
+    placed = {t["name"]: t["sharding"] for t in json.loads(plan.read_text())["tables"]}
+    assert sorted(placed) == ["C1", "C2", "C3", "C4"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "recstack"]
+    two = _train(torchrun, tiny_dataset, tmp_path / "two", ["train.batch_size=64", f'dist.plan="{plan}"'])
+    for k in ("auc", "logloss"):
+        assert two[k] == pytest.approx(single[k], abs=1e-5), k
+
+
+def test_max_restarts_resumes_from_checkpoint(tiny_dataset: Path, tmp_path: Path, single: dict) -> None:
+    """A worker killed mid-run: torchrun restarts the group, which resumes from the last checkpoint by itself
+    and ends where an uninterrupted run ends."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "--max-restarts", "1", "-m", "recstack", "train", "--output-dir", str(out),
+            "--set", f'data.train="{tiny_dataset}"']
+    for o in [*COMMON, "train.batch_size=64", "train.checkpoint_every=20", 'dist.sharding="row_wise"']:
+        args += ["--set", o]
+    agent = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ckpt = out / "checkpoints"
+    deadline = time.time() + 200
+    while time.time() < deadline and not (ckpt.is_dir() and any(p.name.startswith("step_") and not
+                                                                p.name.endswith(".tmp") for p in ckpt.iterdir())):
+        time.sleep(0.05)
+    workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+    assert workers and agent.poll() is None, "training ended before a worker could be killed"
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    _, err = agent.communicate(timeout=300)
+    assert agent.returncode == 0, err[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    for k in ("auc", "logloss", "train_samples"):
+        assert summary[k] == pytest.approx(single[k], abs=1e-5), k

@@ -34,9 +34,16 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # torchrun's agent hosts the store and keeps it across restarts (--max-restarts); without a prefix per
+        # attempt, the restarted workers would find the dead workers' addresses for every process group.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == 0 and not agent_store, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.PrefixStore(
+            f"recstack/attempt_{attempt}", store), rank=rank, world_size=world, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -120,6 +120,12 @@ def build_tables(args: argparse.Namespace) -> list[TableSpec]:
         sizes = KAGGLE_CARDINALITIES if args.tables == "criteo_kaggle" else TERABYTE_CARDINALITIES
         dim = args.dim or NAMED_TABLES[args.tables]
         specs = [TableSpec(n, r, dim, pooling) for n, r in zip(SPARSE_NAMES, sizes, strict=True)]
+    elif args.tables and (Path(args.tables) / "meta.json").is_file():  # a prepared data set: one table each
+        from recstack.data.format import PreparedDataset
+
+        ds = PreparedDataset(args.tables)
+        sizes = dict(zip(ds.table_names, ds.table_sizes, strict=True))
+        specs = [TableSpec(name, rows, args.dim or 16, args.pooling or 1.0) for name, rows in sizes.items()]
     elif args.tables:
         specs = load_table_file(args.tables, args.dim, args.pooling)
     else:
@@ -142,7 +148,8 @@ def _constraints(items: list[str]) -> dict[str, list[str]]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tables")
-    g.add_argument("--tables", help=f"{' | '.join(NAMED_TABLES)} | FILE.json (a list of table specs)")
+    g.add_argument("--tables", help=f"{' | '.join(NAMED_TABLES)} | FILE.json (a list of table specs) | a prepared "
+                                    "data directory")
     g.add_argument("--synthetic-tables", type=int, metavar="N",
                    help="N tables of --rows x --dim (a hypothetical model)")
     g.add_argument("--rows", type=parse_count, help="rows of each synthetic table, e.g. 94M")
