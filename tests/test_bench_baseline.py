@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -14,51 +13,48 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.baseline_dlrm import BaselineDLRM, make_optimizer, train_step  # noqa: E402
-from bench.train_throughput import DenseFloor, make_data, zipf_ids  # noqa: E402
-from recstack.config import Config  # noqa: E402
-from recstack.models.build import build_dense_optimizer, build_model  # noqa: E402
+from bench.train_throughput import DenseFloor, kaggle_config, make_data, make_trainer, zipf_ids  # noqa: E402
 from recstack.trainer import Trainer  # noqa: E402
 
 SIZES = [11, 3, 40, 7]
 
 
-def _models() -> tuple[torch.nn.Module, SimpleNamespace, BaselineDLRM, torch.optim.Optimizer]:
-    cfg = Config()
+def _models(tmp: Path) -> tuple[Trainer, BaselineDLRM, torch.optim.Optimizer]:
+    cfg = kaggle_config()
     cfg.model.embedding_dim = 4
     cfg.model.bottom_mlp = [8, 4]
     cfg.model.top_mlp = [6, 1]
     cfg.optim.dense_lr = cfg.optim.sparse_lr = 0.3
-    torch.manual_seed(0)
-    model = build_model(cfg, 13, SIZES, "cpu")  # the benchmark data has 13 dense features
-    model.train()
-    trainer = SimpleNamespace(model=model, net=model, device=torch.device("cpu"),
-                              optimizer=build_dense_optimizer(cfg, model.dense_parameters()))
+    cfg.train.batch_size = 16
+    trainer = make_trainer(cfg, SIZES, tmp / "data")
+    model = trainer.model
     base = BaselineDLRM(13, SIZES, 4, cfg.model.bottom_mlp, cfg.model.top_mlp)
     with torch.no_grad():  # same weights, so the two must agree step for step
         for t, bag in enumerate(base.emb_l):
-            bag.weight.copy_(model.embeddings.table_weight(f"t{t}"))
+            bag.weight.copy_(model.embeddings.table_weight(f"C{t + 1}"))
         base.bot_l.load_state_dict(model.bottom.state_dict())
         base.top_l.load_state_dict(model.top.state_dict())
-    return model, trainer, base, make_optimizer(base, 0.3)
+    return trainer, base, make_optimizer(base, 0.3)
 
 
-def test_baseline_trains_the_same_model_as_recstack() -> None:
-    model, trainer, base, base_opt = _models()
+def test_baseline_trains_the_same_model_as_recstack(tmp_path: Path) -> None:
+    trainer, base, base_opt = _models(tmp_path)
+    model = trainer.model
     data = make_data(SIZES, batch=16, num_batches=3, seed=4)
     for d in data:  # repeated ids inside a batch: the small tables guarantee them
         with torch.no_grad():
             torch.testing.assert_close(base(d["dense"], d["ids"], d["offsets"]), model(d["batch"]))
-        loss_r = Trainer.train_step(trainer, d["batch"])  # type: ignore[arg-type]
+        loss_r = trainer.train_step(d["batch"])
         loss_b = train_step(base, base_opt, d["dense"], d["ids"], d["offsets"], d["labels"])
         assert abs(loss_r - loss_b) < 1e-6
     for t, bag in enumerate(base.emb_l):
-        torch.testing.assert_close(bag.weight, model.embeddings.table_weight(f"t{t}"), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(bag.weight, model.embeddings.table_weight(f"C{t + 1}"), rtol=1e-5, atol=1e-6)
     for p_b, p_r in zip(base.top_l.parameters(), model.top.parameters(), strict=True):
         torch.testing.assert_close(p_b, p_r, rtol=1e-5, atol=1e-6)
 
 
-def test_floor_uses_copies_of_the_recstack_dense_layers() -> None:
-    model, _, _, _ = _models()
+def test_floor_uses_copies_of_the_recstack_dense_layers(tmp_path: Path) -> None:
+    model = _models(tmp_path)[0].model
     floor = DenseFloor(model, batch=8, num_features=len(SIZES), dim=4, seed=0)
     assert floor.top is not model.top
     assert floor.top.state_dict().keys() == model.top.state_dict().keys()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from recstack.models.fused_mlp import MLP
+from recstack.models.fused_mlp import MLP, _weight_grad_transposed
 from recstack.models.interaction import DotInteraction
 
 
@@ -33,17 +33,18 @@ def _pair(sizes: list[int], last: bool, seed: int = 0) -> tuple[MLP, nn.Sequenti
     return fused, _plain_mlp(sizes, last)
 
 
-# 13 and 37 are not multiples of 16 (the transposed-product path on CPU), 16 and 32 are.
+# 13 and 37 are not multiples of 16: with batch 160 their weight gradients take the transposed product.
 @pytest.mark.parametrize(
     "sizes,last", [([13, 40, 24, 16], True), ([37, 32, 1], False), ([16, 32, 8], True), ([32, 5], False)]
 )
 @pytest.mark.parametrize("input_grad", [False, True])
-def test_mlp_matches_autograd(sizes: list[int], last: bool, input_grad: bool) -> None:
+@pytest.mark.parametrize("batch", [20, 160])
+def test_mlp_matches_autograd(sizes: list[int], last: bool, input_grad: bool, batch: int) -> None:
     fused, plain = _pair(sizes, last)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(33, sizes[0], generator=gen)
+    x = torch.randn(batch, sizes[0], generator=gen)
     x1, x2 = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
-    g = torch.randn(33, sizes[-1], generator=gen)
+    g = torch.randn(batch, sizes[-1], generator=gen)
     y1, y2 = fused(x1), plain(x2)
     torch.testing.assert_close(y1, y2)
     if last:
@@ -56,6 +57,15 @@ def test_mlp_matches_autograd(sizes: list[int], last: bool, input_grad: bool) ->
         assert p1.grad is not None, name
         assert p1.grad.shape == p1.shape and p1.grad.is_contiguous(), name
         torch.testing.assert_close(p1.grad, p2.grad, msg=name)
+
+
+def test_transposed_weight_gradient_rule() -> None:
+    cpu = torch.device("cpu")
+    assert _weight_grad_transposed(128, 13, cpu)  # narrow odd input: always
+    assert not _weight_grad_transposed(128, 367, cpu)  # wide odd input, small batch: the copy costs more
+    assert _weight_grad_transposed(2048, 367, cpu)
+    assert not _weight_grad_transposed(2048, 512, cpu)  # aligned: MKL is fast either way
+    assert not _weight_grad_transposed(2048, 13, torch.device("meta"))  # CPU only
 
 
 def test_mlp_is_a_sequential_with_the_same_state() -> None:

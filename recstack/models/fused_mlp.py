@@ -17,15 +17,17 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 
-def _weight_grad_transposed(in_features: int, device: torch.device) -> bool:
-    """Whether to compute a layer's weight gradient as (x^T g)^T rather than g^T x on this device.
+def _weight_grad_transposed(batch: int, in_features: int, device: torch.device) -> bool:
+    """Whether to compute a layer's weight gradient as (x^T g)^T rather than g^T x.
 
     When ``in_features`` is not a multiple of 16 (13 dense features, 367 DLRM interaction outputs), MKL's
-    sgemm is up to 3x slower if that odd size is the row length of the product it writes; the transposed
-    product puts the aligned size there, and only the small [out, in] result is transposed back (autograd
-    copies it into the parameter's layout). cuBLAS shows no such cliff, so this is done on CPU only.
+    sgemm is slower if that odd size is the row length of the product it writes: 3x for 13 columns, 1.25x
+    for 367 (Zen 4). The transposed product avoids that, but autograd then copies the [out, in] result into
+    the parameter's layout, a strided copy that costs about as much as a 200-sample product of a wide layer.
+    Measured: worth it for narrow inputs at any batch, for wide ones only at large batches, which
+    ``batch >= 4 * in_features`` captures. cuBLAS has no such cliff, so this is done on CPU only.
     """
-    return device.type == "cpu" and in_features % 16 != 0
+    return device.type == "cpu" and in_features % 16 != 0 and batch >= 4 * in_features
 
 
 class _FusedMLP(torch.autograd.Function):
@@ -58,7 +60,7 @@ class _FusedMLP(torch.autograd.Function):
                 g = torch.ops.aten.threshold_backward(g, outs[i], 0)  # zero where ReLU clipped
             inp = outs[i - 1] if i > 0 else x
             if ctx.needs_input_grad[2 + 2 * i]:
-                flip = _weight_grad_transposed(w.shape[1], w.device)
+                flip = _weight_grad_transposed(g.shape[0], w.shape[1], w.device)
                 grads[2 * i] = inp.t().mm(g).t() if flip else g.t().mm(inp)  # [out_i, in_i]
             if ctx.needs_input_grad[3 + 2 * i]:
                 grads[2 * i + 1] = g.sum(0)
