@@ -130,4 +130,5 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
 
 def test_configs_in_repo_load() -> None:
     for path in Path(__file__).resolve().parents[1].joinpath("configs").glob("*.toml"):
-        load_config(path)
+        if not path.name.startswith("exfm_"):  # `recstack exfm run` configs have their own schema
+            load_config(path)

@@ -85,10 +85,14 @@ class BatchLoader:
             s.ids = torch.remainder(s.ids, caps)
         return self.transform(batch) if self.transform is not None else batch
 
-    def iterate_epoch(self) -> Iterator[Batch]:
-        """Yields the rest of the current epoch from ``position``; advances ``position`` as it goes."""
+    def iterate_epoch(self, limit: int | None = None) -> Iterator[Batch]:
+        """Yields the rest of the current epoch from ``position`` (at most ``limit`` batches); advances
+        ``position`` as it goes. A limit keeps the prefetch thread from reading (and, pipelined, distributing)
+        batches that will never be trained on, which every rank must agree on."""
         order = self._order(self.position.epoch)
         todo = order[self.position.batch :].tolist()
+        if limit is not None:
+            todo = todo[: max(limit, 0)]
         if self.prefetch <= 0:
             for gi in todo:
                 batch = self._load(gi)
@@ -96,7 +100,8 @@ class BatchLoader:
                 yield batch
         else:
             yield from self._prefetched(todo)
-        self.position = LoaderPosition(self.position.epoch + 1, 0)
+        if self.position.batch >= len(order):
+            self.position = LoaderPosition(self.position.epoch + 1, 0)
 
     def _prefetched(self, todo: list[int]) -> Iterator[Batch]:
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
