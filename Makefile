@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench bench-dist clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,5 +22,25 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/train_throughput.py
 
+# Distributed throughput against TorchRec. TorchRec and FBGEMM live only in this separate environment (torch
+# pinned to the release torchrec 1.8.0 pairs with, recstack editable) so the package never depends on them.
+BENCH_VENV  ?= .venv-bench
+BENCH_PY    := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.installed
+BENCH_TORCH ?= 2.13.0
+BENCH_ARGS  ?=
+
+$(BENCH_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_PY) -m pip install -q --upgrade pip
+	$(BENCH_PY) -m pip install -q torch==$(BENCH_TORCH)
+	$(BENCH_PY) -m pip install -q -e .
+	$(BENCH_PY) -m pip install -q --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0
+	$(BENCH_PY) -m pip install -q tensordict torchmetrics==1.0.3 tqdm pyre-extensions
+	touch $(BENCH_STAMP)
+
+bench-dist: $(BENCH_STAMP)
+	$(BENCH_PY) bench/dist_throughput.py --out bench/results/dist_throughput.json $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache
