@@ -4,6 +4,10 @@ A checkpoint is written to a temporary file in the same directory, fsynced, then
 so a crash mid-write leaves either the previous checkpoints or a stray ``.tmp`` file, never a file that loads
 wrong. Files are ``ckpt_<step>.pt``; loading uses ``torch.load(weights_only=True)``, so a checkpoint holds
 only tensors and plain Python values.
+
+A checkpoint with ``files`` (tables too large to pass through one ``torch.save``, written by their own writers
+in chunks) is a directory ``ckpt_<step>/`` holding ``state.pt`` beside those files. It is built as
+``ckpt_<step>.tmp/``, every file fsynced, then renamed into place the same way, so it is equally atomic.
 """
 
 from __future__ import annotations
@@ -11,14 +15,17 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-_NAME = re.compile(r"^ckpt_(\d{9})\.pt$")
+_NAME = re.compile(r"^ckpt_(\d{9})(\.pt)?$")  # a file ckpt_<step>.pt or a directory ckpt_<step>
+STATE_FILE = "state.pt"  # the torch.save part of a directory checkpoint
 
 
 class CheckpointError(RuntimeError):
@@ -29,44 +36,101 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"ckpt_{step:09d}.pt"
 
 
-def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], keep: int = 0) -> Path:
-    """Write ``state`` atomically as ``ckpt_<step>.pt``; keep only the newest ``keep`` (0 = all)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_path(directory, step)
-    tmp = final.with_name(final.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save({**state, "step": step, "complete": True}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    dir_fd = os.open(directory, os.O_RDONLY)  # make the rename itself durable
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)  # make renames and new entries durable
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _write_state(path: Path, step: int, state: dict[str, Any]) -> None:
+    with open(path, "wb") as f:
+        torch.save({**state, "step": step, "complete": True}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(
+    directory: str | Path,
+    step: int,
+    state: dict[str, Any],
+    keep: int = 0,
+    files: dict[str, Callable[[Path], None]] | None = None,
+) -> Path:
+    """Write ``state`` atomically as ``ckpt_<step>.pt``; keep only the newest ``keep`` (0 = all).
+
+    With ``files`` ({relative path: writer}), the checkpoint is the directory ``ckpt_<step>/``: each writer is
+    called with the path it must create inside it, then ``state.pt`` is written last.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if not files:
+        final = checkpoint_path(directory, step)
+        tmp = final.with_name(final.name + ".tmp")
+        _write_state(tmp, step, state)
+        os.replace(tmp, final)
+    else:
+        final = directory / f"ckpt_{step:09d}"
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+        tmp.mkdir()
+        for rel, writer in files.items():
+            path = tmp / rel
+            if tmp.resolve() not in path.resolve().parents:
+                raise ValueError(f"checkpoint file {rel!r} would be written outside {tmp}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            writer(path)
+            with open(path, "rb") as f:  # whatever the writer did, the bytes must be on disk before the rename
+                os.fsync(f.fileno())
+        for sub in {(tmp / rel).parent for rel in files}:
+            _fsync_dir(sub)
+        _write_state(tmp / STATE_FILE, step, state)
+        _fsync_dir(tmp)
+        if final.exists():  # saved again at the same step: move the old one aside first (a rename cannot
+            old = final.with_name(final.name + ".old")  # replace a non-empty directory)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    _fsync_dir(directory)
     if keep > 0:
-        for old in list_checkpoints(directory)[:-keep]:
-            old.unlink(missing_ok=True)
+        for old_ckpt in list_checkpoints(directory)[:-keep]:
+            if old_ckpt.is_dir():
+                shutil.rmtree(old_ckpt, ignore_errors=True)
+            else:
+                old_ckpt.unlink(missing_ok=True)
     return final
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Checkpoint files in step order (oldest first); temporary files are ignored."""
+    """Checkpoints (files and directories) in step order (oldest first); temporary ones are ignored."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+    found = [(m, p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for m, p in sorted(found, key=lambda mp: (int(mp[0].group(1)), mp[1].name))]
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """A checkpoint file, or a checkpoint directory (its ``state.pt``; ``state["checkpoint_dir"]`` then names the
+    directory so the caller can read the files beside it)."""
     path = Path(path)
+    directory = None
+    if path.is_dir():
+        directory, path = path, path / STATE_FILE
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (incomplete checkpoint directory)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, bad pickle, disallowed type: all mean "not usable"
         raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {e})") from e
     if not isinstance(state, dict) or state.get("complete") is not True:
         raise CheckpointError(f"{path}: incomplete checkpoint (no completion marker)")
+    if directory is not None:
+        state["checkpoint_dir"] = str(directory)
     return state
 
 

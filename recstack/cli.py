@@ -1,4 +1,4 @@
-"""The one command line: ``recstack train | eval | predict | data prepare | data synth | data inspect``."""
+"""The one command line: ``recstack train | eval | predict | data prepare | data synth | data inspect | exfm``."""
 
 from __future__ import annotations
 
@@ -83,13 +83,26 @@ def _cmd_synth(args: argparse.Namespace) -> None:
     print(f"wrote {cfg.rows} synthetic rows to {out}")
 
 
+def _cmd_train(args: argparse.Namespace) -> None:
+    if args.dump_a2a:  # the capture settings live in [compression]; the flags are shorthands for them
+        try:
+            steps = [int(v) for v in args.dump_steps.split(",") if v.strip()]
+        except ValueError as e:
+            raise ConfigError(f"--dump-steps {args.dump_steps!r}: expected comma-separated step numbers") from e
+        args.overrides += [f"compression.dump_dir={json.dumps(args.dump_a2a)}", f"compression.dump_steps={steps}"]
+    train_cmd.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="recstack", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model from a TOML config")
     train_cmd.add_arguments(t)
-    t.set_defaults(func=train_cmd.run)
+    t.add_argument("--dump-a2a", metavar="DIR", help="save the pooled embeddings and gradients the all-to-all "
+                   "carries, per table, at --dump-steps (for recstack analyze-a2a)")
+    t.add_argument("--dump-steps", default="1", metavar="S1,S2", help="steps to capture (default 1)")
+    t.set_defaults(func=_cmd_train)
 
     for name, func in (("eval", _cmd_eval), ("predict", _cmd_predict)):
         e = sub.add_parser(name, help=f"{name} with a trained checkpoint")
@@ -128,6 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="shard embedding tables over ranks (load-balancing planner)")
     plan_cmd.add_arguments(pl)
     pl.set_defaults(func=plan_cmd.run)
+
+    from recstack.compression import analyze as analyze_cmd
+
+    an = sub.add_parser("analyze-a2a", help="value range, distinct rows, entropy and codec ratios of captured "
+                                            "all-to-all payloads (or raw float32 files)")
+    analyze_cmd.add_arguments(an)
+    an.set_defaults(func=analyze_cmd.run)
+
+    from recstack.exfm import cli as exfm_cmd
+
+    exfm_cmd.add_parser(sub)
     return p
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recstack.compression.config import CompressionConfig
+
 
 class ConfigError(ValueError):
     """A config file or override names an unknown key or gives a value of the wrong type."""
@@ -90,11 +92,24 @@ class DistConfig:
 
     plan: str = ""
     sharding: str = "table_wise"
-    forward_codec: str = "fp32"  # fp32 | fp16 | bf16 | fp8 | int8
+    forward_codec: str = "fp32"  # fp32 | fp16 | bf16 | fp8 | int8 | eb (error-bounded, see [compression])
     backward_codec: str = "fp32"
     timeout_s: float = 300.0
     ranks_per_node: int = 0  # 0 = LOCAL_WORLD_SIZE from torchrun
     pipeline: bool = True  # distribute the next batch's ids while the current batch computes
+
+
+@dataclass
+class MemoryConfig:
+    """Embedding memory budgets (single process; see docs/memory_tiers.md). Sizes are bytes or strings such as
+    ``"512MB"`` or ``"2GiB"``; ``""`` = no budget. With a budget set, tables that do not fit in ``device`` memory
+    get a cache there over their rows in host memory (``host`` budget) or, past that, in a file in ``ssd_dir``."""
+
+    device: int | str = ""
+    host: int | str = ""
+    ssd_dir: str = ""
+    cache_policy: str = "lru"  # lru | lfu
+    prefetch: bool = True  # fetch the next batch's rows while the current batch computes
 
 
 @dataclass
@@ -104,6 +119,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -203,6 +220,7 @@ def validate(cfg: Config) -> None:
         "optim.sparse": (o.sparse, ("sgd", "rowwise_adagrad")),
         "dist.sharding": (cfg.dist.sharding,
                           ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")),
+        "memory.cache_policy": (cfg.memory.cache_policy, ("lru", "lfu")),
     }
     for where, (value, allowed) in choices.items():
         if value not in allowed:
@@ -220,3 +238,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.batch_size and train.eval_batch_size: must be positive")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")
+    try:
+        cfg.compression.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    from recstack.embedding.tiered_placement import parse_bytes  # here: the embedding package imports torch
+
+    for key in ("device", "host"):
+        try:
+            parse_bytes(getattr(cfg.memory, key))
+        except ValueError as e:
+            raise ConfigError(f"memory.{key}: {e}") from e

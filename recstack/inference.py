@@ -30,6 +30,9 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
     cfg = config_from_dict(state["config"])
     model = build_model(cfg, state["num_dense"], state["table_sizes"], device, state.get("table_names"))
     model.load_state_dict(state["model"])
+    restore = getattr(model.embeddings, "restore_files", None)
+    if restore is not None:  # cached embedding tiers: their rows are files beside the checkpoint's state
+        restore(state.get("checkpoint_dir"))
     model.eval()
     return cfg, model
 

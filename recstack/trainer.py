@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from recstack.checkpoint import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from recstack.compression.runtime import CompressionRuntime
 from recstack.config import Config
 from recstack.data.batch import Batch
 from recstack.data.format import PreparedDataset
@@ -124,8 +125,13 @@ class Trainer:
             cfg, self.num_dense, self.table_sizes, self.device, self.train_ds.table_names
         )
         self.net: torch.nn.Module = self.model  # what the step calls: the model, or DDP around it
+        prefetch = getattr(self.model.embeddings, "next_batch_hook", lambda: None)()
+        if prefetch is not None:  # cached embedding tiers: the loader announces batches so rows come in ahead
+            self.train_loader.transform = prefetch
+        self.compression = CompressionRuntime(cfg, self.output_dir, self.rank, self.world)
         if self.world > 1:
             self._parallelize()
+        self.compression.attach(self.model)  # eb codecs learn which table each chunk carries; --dump-a2a hook
         self.optimizer = build_dense_optimizer(cfg, self.model.dense_parameters())
         self.total_steps = t.max_steps or t.epochs * len(self.train_loader)
         self.step = 0
@@ -145,7 +151,8 @@ class Trainer:
         d = self.cfg.dist
         rpn = d.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         placements = placements_from_config(d, [t.name for t in self.model.embeddings.tables], self.world)
-        shard_model(self.model, placements, self.cfg.train.seed, self.device, d.forward_codec, d.backward_codec, rpn)
+        fwd, bwd = self.compression.codecs()  # names, or configured error-bounded codecs for "eb"
+        shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn)
         self.net = wrap_ddp(self.model, self.device, self.model.embeddings.stats)
         if d.pipeline:  # the prefetch thread moves each batch to the device and distributes its ids
             emb, device = self.model.embeddings, self.device
@@ -174,6 +181,9 @@ class Trainer:
         missing, unexpected = self.model.load_state_dict(state["model"], strict=self.world == 1)
         if unexpected or any(not k.startswith("embeddings.") for k in missing):
             raise RuntimeError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+        restore = getattr(self.model.embeddings, "restore_files", None)
+        if restore is not None:  # cached embedding tiers: their rows are files beside the checkpoint's state
+            restore(state.get("checkpoint_dir"))
         self.optimizer.load_state_dict(state["dense_optimizer"])
         self.train_loader.position = LoaderPosition(**state["position"])
         self.step = int(state["step"])
@@ -205,7 +215,8 @@ class Trainer:
             from recstack.distributed.checkpoint import save_sharded
 
             return save_sharded(self.ckpt_dir, self.step, self.model.embeddings, self.state_dict(), keep)
-        return save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), keep=keep)
+        files = getattr(self.model.embeddings, "checkpoint_files", None)  # tables streamed beside the state
+        return save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), keep=keep, files=files() if files else None)
 
     # -- loop ------------------------------------------------------------------------------------------
     def train_step(self, batch) -> float:
@@ -235,7 +246,8 @@ class Trainer:
         window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, time.perf_counter(), 0.0, 0.0
         tick = window_t0  # train_seconds counts data wait + steps, not evaluation or checkpoints
         while self.step < self.total_steps:
-            for batch in self.train_loader.iterate_epoch():
+            for batch in self.train_loader.iterate_epoch(limit=self.total_steps - self.step):
+                self.compression.begin_step(self.step)
                 started = time.perf_counter()
                 loss = self.train_step(batch)
                 now = time.perf_counter()
@@ -258,6 +270,7 @@ class Trainer:
                     stats = getattr(self.model.embeddings, "stats", None)
                     if stats is not None:  # bytes and seconds per collective since the last log line
                         values.update({k: v / window_n for k, v in stats.pop().items()})
+                    values.update(self.compression.metrics(window_n))  # eb: ratio, codec time, bounds in force
                     self.logger.log(self.step, "train", values)
                     bar.set_postfix(loss=f"{window_loss / window_n:.4f}", samples_s=f"{sps:,.0f}")
                     window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, now, 0.0, 0.0

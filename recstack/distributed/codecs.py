@@ -9,12 +9,24 @@ tensor's device: nothing here copies to the host.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
 import torch
 
 
 class CodecError(ValueError):
     """A payload does not decode to the expected shape (corrupt, truncated or from another codec)."""
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """Where a chunk travels: all-to-all phase (``fwd_a2a``/``bwd_a2a``), sending and receiving rank, and
+    its position in the message. Codecs that adapt per table or keep per-chunk state look at it."""
+
+    phase: str
+    src: int
+    dst: int
+    index: int
 
 
 class Codec(abc.ABC):
@@ -27,6 +39,13 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def decode(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """payload [bytes] uint8 -> [N, D] float32 (``shape`` is known to both sides)."""
+
+    def encode_chunk(self, x: torch.Tensor, key: ChunkKey) -> torch.Tensor:
+        """``encode`` for chunk ``key`` of an all-to-all; stateless codecs ignore the key."""
+        return self.encode(x)
+
+    def decode_chunk(self, payload: torch.Tensor, shape: tuple[int, int], key: ChunkKey) -> torch.Tensor:
+        return self.decode(payload, shape)
 
     def _check(self, payload: torch.Tensor, want: int) -> None:
         if payload.numel() != want:
@@ -107,7 +126,12 @@ def register_codec(codec: Codec) -> None:
     _CODECS[codec.name] = codec
 
 
-def get_codec(name: str) -> Codec:
+def get_codec(name: str | Codec) -> Codec:
+    """A registered codec by name; a Codec instance (configured by the caller) is returned as it is."""
+    if isinstance(name, Codec):
+        return name
+    if name == "eb" and name not in _CODECS:
+        import recstack.compression.codec  # noqa: F401  (registers the error-bounded codec, default bounds)
     if name not in _CODECS:
         raise ValueError(f"unknown communication codec {name!r} (known: {', '.join(sorted(_CODECS))})")
     return _CODECS[name]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from recstack.distributed.codecs import Codec, get_codec
+from recstack.distributed.codecs import ChunkKey, Codec, get_codec
 
 
 @dataclass
@@ -62,26 +62,34 @@ def all_to_all_variable(
     return list(torch.split(flat_out, out_splits))
 
 
-def encode_chunks(codec: Codec, chunks: list[torch.Tensor]) -> torch.Tensor:
+def encode_chunks(codec: Codec, chunks: list[torch.Tensor], keys: list[ChunkKey] | None = None) -> torch.Tensor:
     """Chunks [n_i, d_i] -> one uint8 message: header of int64 payload sizes, then the payloads."""
-    payloads = [codec.encode(c) for c in chunks]
+    if keys is None:
+        payloads = [codec.encode(c) for c in chunks]
+    else:
+        payloads = [codec.encode_chunk(c, k) for c, k in zip(chunks, keys, strict=True)]
     device = chunks[0].device if chunks else torch.device("cpu")
     header = torch.tensor([p.numel() for p in payloads], dtype=torch.int64, device=device)
     return torch.cat([header.view(torch.uint8), *payloads]) if payloads else header.view(torch.uint8)
 
 
-def decode_chunks(codec: Codec, message: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+def decode_chunks(codec: Codec, message: torch.Tensor, shapes: list[tuple[int, int]],
+                  keys: list[ChunkKey] | None = None) -> list[torch.Tensor]:
     from recstack.distributed.codecs import CodecError
 
     k = len(shapes)
     if message.numel() < 8 * k:
         raise CodecError(f"{codec.name}: message of {message.numel()} bytes is shorter than its header")
-    sizes = message[: 8 * k].view(torch.int64).tolist()
+    head = message[: 8 * k]
+    if head.storage_offset() % 8:  # messages of data-dependent size start anywhere in the receive buffer
+        head = head.clone()
+    sizes = head.view(torch.int64).tolist()
     if any(s < 0 for s in sizes) or 8 * k + sum(sizes) != message.numel():
         raise CodecError(f"{codec.name}: header sizes {sizes} do not match a {message.numel()}-byte message")
     out, pos = [], 8 * k
-    for size, shape in zip(sizes, shapes, strict=True):
-        out.append(codec.decode(message[pos : pos + size], shape))
+    for i, (size, shape) in enumerate(zip(sizes, shapes, strict=True)):
+        payload = message[pos : pos + size]
+        out.append(codec.decode(payload, shape) if keys is None else codec.decode_chunk(payload, shape, keys[i]))
         pos += size
     return out
 
@@ -118,9 +126,13 @@ class PooledExchange:
         codec: Codec, phase: str,
     ) -> torch.Tensor:
         chunks = self._split(flat, out_shapes)
-        messages = [encode_chunks(codec, c) for c in chunks]
+        me = dist.get_rank(self.group)  # chunk keys let a codec tell tables and steps apart
+        messages = [encode_chunks(codec, c, [ChunkKey(phase, me, r, i) for i in range(len(c))])
+                    for r, c in enumerate(chunks)]
         received = all_to_all_variable(messages, self.group, self.stats, phase)
-        decoded = [t for r, m in enumerate(received) for t in decode_chunks(codec, m, in_shapes[r])]
+        decoded = [t for r, m in enumerate(received)
+                   for t in decode_chunks(codec, m, in_shapes[r], [ChunkKey(phase, r, me, i) for i in range(
+                       len(in_shapes[r]))])]
         if not decoded:
             return flat.new_zeros(0)
         return torch.cat([t.reshape(-1) for t in decoded])

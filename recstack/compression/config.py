@@ -1,0 +1,64 @@
+"""``[compression]``: settings of the error-bounded all-to-all codec ``eb`` and of payload capture.
+
+The codec is chosen per direction with ``dist.forward_codec = "eb"`` / ``dist.backward_codec = "eb"``; the
+bounds below apply to every message it encodes. Defaults follow Feng et al. (SC'24): table classes by size
+(largest tables 0.01, middle 0.03, smallest 0.05, relative to each message's value range; the thresholds
+put the 8 largest Criteo Kaggle tables in the tight class and its 6 smallest in the loose one) and a
+multiplier that decays from c = 2 to 1 over the first 65,536 iterations in 10 steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULES = ("step", "linear", "log", "constant", "off")
+
+
+class CompressionConfigError(ValueError):
+    """A ``[compression]`` value is out of range."""
+
+
+@dataclass
+class CompressionConfig:
+    bound_mode: str = "rel"  # rel: bounds are fractions of each message's value range | abs: absolute
+    tight_bound: float = 0.01  # tables with at least tight_min_rows rows
+    base_bound: float = 0.03  # the others
+    loose_bound: float = 0.05  # tables with at most loose_max_rows rows
+    tight_min_rows: int = 50_000
+    loose_max_rows: int = 25
+    table_bounds: dict[str, Any] = field(default_factory=dict)  # table name -> bound, overrides its class
+    schedule: str = "step"  # step | linear | log | constant | off (iteration-level multiplier)
+    schedule_c: float = 2.0  # the multiplier starts at c ...
+    schedule_stage: int = 65536  # ... and reaches 1 after this many iterations
+    backward_scale: float = 1.0  # backward (gradient) bounds = forward bounds * this
+    error_feedback: bool = False  # backward: carry each chunk's compression error into the next step
+    eval_lossless: bool = True  # evaluation passes send embeddings exactly: the model is judged, not the link
+    lossless: str = "auto"  # auto (zstd on CPU, bit packing on GPU) | zstd | bitpack
+    dump_dir: str = ""  # save pooled embeddings and their gradients here (recstack train --dump-a2a)
+    dump_steps: list[int] = field(default_factory=lambda: [1])  # at these steps (1 = the first)
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> CompressionConfigError:
+            return CompressionConfigError(f"compression.{name}: {why}, got {getattr(self, name)!r}")
+
+        if self.bound_mode not in ("rel", "abs"):
+            raise bad("bound_mode", "must be rel or abs")
+        for name in ("tight_bound", "base_bound", "loose_bound", "backward_scale"):
+            if not getattr(self, name) >= 0.0:
+                raise bad(name, "must be >= 0")
+        for name, value in self.table_bounds.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise CompressionConfigError(f"compression.table_bounds.{name}: must be a number >= 0, got {value!r}")
+        if self.tight_min_rows <= self.loose_max_rows:
+            raise bad("tight_min_rows", f"must be larger than loose_max_rows={self.loose_max_rows}")
+        if self.schedule not in SCHEDULES:
+            raise bad("schedule", f"must be one of {', '.join(SCHEDULES)}")
+        if not self.schedule_c >= 1.0:
+            raise bad("schedule_c", "must be >= 1")
+        if self.schedule_stage < 1:
+            raise bad("schedule_stage", "must be >= 1")
+        if self.lossless not in ("auto", "zstd", "bitpack"):
+            raise bad("lossless", "must be auto, zstd or bitpack")
+        if any(s < 1 for s in self.dump_steps):
+            raise bad("dump_steps", "steps count from 1")

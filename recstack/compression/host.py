@@ -1,0 +1,141 @@
+"""Host fast path of the error-bounded codec: the same format as ``eb``'s tensor path, written with numpy.
+
+For CPU tensors with the zstd stage (the default there) every step runs on numpy arrays: numpy's per-call
+cost is a fraction of torch's, which matters for messages of 100 KB and less (one Kaggle-sized table of a
+2048-sample batch). The arithmetic is the same IEEE float32 arithmetic as the tensor path, so both write
+and read the same messages; tests check that each decodes the other's.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+
+from recstack.compression import packing as pk
+from recstack.compression.format import (
+    FLAG_DEDUP,
+    FLAG_PAIRS,
+    FLAG_WIDE,
+    FLAG_ZSTD,
+    HEADER_SIZE,
+    QUANTIZED,
+    Header,
+    message_checksum_np,
+)
+from recstack.compression.quantize import FLOAT32_MAX, MAX_INDEX, MAX_LEVELS, SAFE_RATIO, TIGHTEN, is_safe
+
+_MULT = np.random.default_rng(0x5EB).integers(1, 2**63, 64, dtype=np.uint64) | np.uint64(1)
+
+
+def assemble(header: Header, sections: list[np.ndarray]) -> bytearray:
+    """Header + length-prefixed sections -> one checksummed message (a writable buffer)."""
+    header.sections = len(sections)
+    total = HEADER_SIZE + sum(4 + s.nbytes for s in sections)
+    out = bytearray(total)
+    view = memoryview(out)
+    pos = HEADER_SIZE
+    for s in sections:
+        view[pos : pos + 4] = struct.pack("<I", s.nbytes)
+        view[pos + 4 : pos + 4 + s.nbytes] = s.reshape(-1).view(np.uint8).data
+        pos += 4 + s.nbytes
+    head = header.pack()
+    head += struct.pack("<Q", message_checksum_np(head, np.frombuffer(out, np.uint8, offset=HEADER_SIZE)))
+    view[:HEADER_SIZE] = head
+    return out
+
+
+def dedup_rows(codes: np.ndarray, row_bits: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """``packing.dedup_rows`` in numpy: (distinct rows in order of first occurrence, row tokens [N]) or None
+    when the rows saved (``row_bits`` each) would not pay for an index of log2(U) bits per row."""
+    n, d = codes.shape
+    if n < 2 or d == 0:
+        return None
+    rows = codes.view(np.uint8).reshape(n, -1)
+    pad = (-rows.shape[1]) % 8
+    if pad:
+        rows = np.concatenate([rows, np.zeros((n, pad), np.uint8)], axis=1)
+    words = np.ascontiguousarray(rows).view(np.uint64)  # [N, W]
+    h = words @ _MULT[: words.shape[1]] if words.shape[1] <= _MULT.size else words.sum(1)
+    order = np.argsort(h, kind="stable")
+    hs = h[order]
+    new = np.empty(n, bool)
+    new[0] = True
+    np.not_equal(hs[1:], hs[:-1], out=new[1:])
+    u = int(np.count_nonzero(new))
+    if not pk.dedup_pays(n, u, row_bits):
+        return None
+    gid = np.cumsum(new) - 1
+    inv = np.empty(n, np.int64)
+    inv[order] = gid
+    starts = np.flatnonzero(new)
+    first = order[starts]  # stable sort: the first row of each group
+    if not np.array_equal(words[first[inv]], words):
+        return None  # a hash collision: send the rows as they are
+    # distinct rows in order of first occurrence; token 0 = "the next new row", else 1 + its position
+    by_first = np.argsort(first, kind="stable")
+    rank = np.empty(u, np.int64)
+    rank[by_first] = np.arange(u)
+    tokens = rank[inv] + 1
+    tokens[first] = 0
+    return codes[first[by_first]], tokens
+
+
+def quantize_safe(x: np.ndarray, eb_abs: float, lo: float, hi: float) -> tuple[np.ndarray, float, int, int] | None:
+    """Finite x whose grid needs no value check (see quantize.SAFE_RATIO) -> (codes, step, qmin, levels), or None
+    when the tensor path has to handle it (checks, exact values, constants)."""
+    if not (eb_abs > 0 and math.isfinite(eb_abs)) or max(abs(lo), abs(hi)) > SAFE_RATIO * eb_abs:
+        return None
+    step = 2.0 * eb_abs * TIGHTEN
+    if step > FLOAT32_MAX:
+        return None
+    step32 = np.float32(step)
+    if not (math.isfinite(step32) and is_safe(lo, hi, eb_abs, float(step32))):
+        return None
+    inv32 = np.float32(1.0) / step32
+    qmin = float(np.rint(np.float32(lo) * inv32))  # rint(x * inv) is monotone: the extremes give the range
+    qmax = float(np.rint(np.float32(hi) * inv32))
+    levels = int(qmax - qmin) + 1
+    if max(abs(qmin), abs(qmax)) >= MAX_INDEX or levels > MAX_LEVELS or levels < 2:
+        return None
+    q = np.multiply(x, inv32)
+    np.rint(q, out=q)
+    q -= np.float32(qmin)
+    codes = q.astype(np.uint8) if levels <= 256 else q.astype(np.int32)
+    return codes, step, int(qmin), levels
+
+
+def encode_body(codes: np.ndarray, qmin: int, levels: int,
+                pairs_max_escapes: float) -> tuple[int, int, int, list[np.ndarray], str]:
+    """codes [N, D] -> (flags, distinct rows, centre, sections, layout) of the zstd layouts."""
+    wide = levels > 256
+    flags = FLAG_ZSTD | (FLAG_WIDE if wide else 0)
+    center = -qmin if qmin <= 0 < qmin + levels else levels // 2  # the code of 0.0
+    bits, escapes = pk.code_profile(codes, levels, center) if not wide else (math.log2(levels), 1.0)
+    rows = dedup_rows(codes, codes.shape[1] * max(bits, 1.0))
+    c, index = rows if rows is not None else (codes, None)
+    sections: list[np.ndarray] = []
+    layout = "bytes"
+    if 1 < levels <= 128 and escapes <= pairs_max_escapes:
+        packed, escaped = pk.pair_encode(c, center)
+        sections += [_frame(packed), _frame(escaped)]
+        flags |= FLAG_PAIRS
+        layout = "pairs"
+    else:
+        center = 0
+        sections.append(_frame(pk.byte_planes(c, wide)))
+    if index is not None:
+        flags |= FLAG_DEDUP
+        sections.append(_frame(pk.byte_planes(index, c.shape[0] + 1 > 256)))
+    return flags, c.shape[0], center, sections, layout
+
+
+def _frame(a: np.ndarray) -> np.ndarray:
+    return np.frombuffer(pk._zstd()[0].compress(np.ascontiguousarray(a)), np.uint8)
+
+
+def header_for(rows: int, cols: int, eb_abs: float, step: float, qmin: int, levels: int, flags: int, unique: int,
+               center: int) -> Header:
+    return Header(0, QUANTIZED, flags, rows, cols, 0.0, eb_abs, step, qmin, levels, unique, 0, 0, center)
+

@@ -1,0 +1,293 @@
+"""Backing stores of cached embedding tables: every row of a table, outside the compute buffer.
+
+A table is stored as records of ``width`` float32 values, one per row: the D weights followed, with row-wise
+Adagrad, by the row's accumulator, so an optimizer state always travels with its row (fetched, evicted and
+checkpointed together). The same record layout is the checkpoint file format, so saving an SSD table is a
+file copy and restoring one is a copy back.
+
+- ``HostStore``: records in a host-memory tensor [N, width] (pinned when the compute device is a GPU).
+- ``SSDStore``: records in a log-structured file on disk. The file starts as the table in row order; a write
+  appends its records at the end in one sequential ``pwrite`` and points the rows' entries of an in-memory
+  location index (4 bytes per row) at them; a read follows the index, one ``pread`` per run of consecutive
+  records. Rewriting rows in place would dirty a whole page (or a large folio) per 256-byte row and have the
+  kernel write all of it back; appending writes each row once. When the appended records reach the table's size
+  the file is rewritten in row order (sequential reads and writes), so it never exceeds twice the table.
+  Nothing is memory-mapped, so the process's resident memory does not grow with the table (the kernel's page
+  cache may keep the file's pages: that memory is the kernel's, reclaimable, not the process's).
+  The file is created unlinked (a temporary file that has no name), so it vanishes when the process ends,
+  however it ends: what it held at a crash can never be read by a later run, which restores the table from its
+  last checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from recstack.embedding.collection import TableConfig
+
+CHUNK_BYTES = 64 << 20  # streaming granularity for init, save and load
+
+
+def record_width(dim: int, with_accumulator: bool) -> int:
+    return dim + (1 if with_accumulator else 0)
+
+
+def init_chunks(
+    table: TableConfig, seed: int, index: int, width: int, acc_init: float, chunk_rows: int
+) -> Iterator[torch.Tensor]:
+    """Initial records of a table, ``chunk_rows`` at a time: [n, width] float32 per chunk.
+
+    The weights are bit-identical to ``init_table`` (the same per-table generator, drawn in row order; one
+    uniform_ call per chunk consumes the stream exactly as one call over the whole table does), without
+    ever holding the whole table.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    bound = table.num_embeddings**-0.5
+    d = table.embedding_dim
+    for r0 in range(0, table.num_embeddings, chunk_rows):
+        n = min(chunk_rows, table.num_embeddings - r0)
+        w = torch.empty(n, d).uniform_(-bound, bound, generator=g)
+        if width == d:
+            yield w
+        else:
+            yield torch.cat([w, torch.full((n, 1), acc_init)], 1)
+
+
+def _chunk_rows(width: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * width))
+
+
+def check_table_file(path: Path, rows: int, width: int) -> None:
+    """A checkpoint table file must hold exactly ``rows`` records of ``width`` float32."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: table file missing from the checkpoint")
+    size, want = path.stat().st_size, rows * width * 4
+    if size != want:
+        raise ValueError(f"{path}: {size} bytes, expected {want} ({rows} rows x {width} float32)")
+
+
+def copy_file_range_all(src_fd: int, dst_fd: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from the start of ``src_fd`` to the start of ``dst_fd`` inside the kernel (a reflink on
+    file systems that support one), falling back to a buffered copy; never through a table-sized buffer."""
+    done = 0
+    try:
+        while done < nbytes:
+            n = os.copy_file_range(src_fd, dst_fd, nbytes - done, done, done)
+            if n == 0:
+                raise OSError(f"copy_file_range stopped at byte {done} of {nbytes}")
+            done += n
+        return
+    except (AttributeError, OSError):  # old kernel, cross-device, unsupported file system: copy by hand
+        pass
+    while done < nbytes:
+        buf = os.pread(src_fd, min(CHUNK_BYTES, nbytes - done), done)
+        if not buf:
+            raise OSError(f"short read at byte {done} of {nbytes}")
+        done += os.pwrite(dst_fd, buf, done)
+
+
+class RowStore(abc.ABC):
+    """All ``num_rows`` records [N, width] of one table."""
+
+    def __init__(self, num_rows: int, width: int) -> None:
+        self.num_rows, self.width = num_rows, width
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.width * 4
+
+    @abc.abstractmethod
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [U] int64 -> records [U, width] float32 (a CPU copy)."""
+
+    @abc.abstractmethod
+    def write(self, ids: torch.Tensor, records: torch.Tensor) -> None:
+        """ids [U] int64 (distinct), records [U, width] float32 -> stored."""
+
+    @abc.abstractmethod
+    def fill(self, chunks: Iterator[torch.Tensor]) -> None:
+        """Write all records in row order from chunks [n, width]."""
+
+    @abc.abstractmethod
+    def save(self, path: Path) -> None:
+        """Write all records to a new file ``path`` (raw float32, row order) and fsync it."""
+
+    @abc.abstractmethod
+    def load(self, path: Path) -> None:
+        """Replace all records with those of a file written by ``save``."""
+
+    def close(self) -> None:  # noqa: B027 - stores without OS resources need nothing
+        """Release files and mappings."""
+
+
+class HostStore(RowStore):
+    """Records in host memory: a [N, width] float32 tensor."""
+
+    def __init__(self, num_rows: int, width: int, pin_memory: bool = False) -> None:
+        super().__init__(num_rows, width)
+        self.data = torch.empty(num_rows, width, pin_memory=pin_memory)  # pinned: faster copies to a GPU
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.data.index_select(0, ids)
+
+    def write(self, ids: torch.Tensor, records: torch.Tensor) -> None:
+        self.data[ids] = records  # ids are distinct; much cheaper than index_copy_ on a large tensor
+
+    def fill(self, chunks: Iterator[torch.Tensor]) -> None:
+        r = 0
+        for c in chunks:
+            self.data[r : r + c.shape[0]] = c
+            r += c.shape[0]
+
+    def save(self, path: Path) -> None:
+        step = _chunk_rows(self.width)
+        with open(path, "wb") as f:
+            for r in range(0, self.num_rows, step):
+                f.write(memoryview(self.data[r : r + step].numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load(self, path: Path) -> None:
+        check_table_file(path, self.num_rows, self.width)
+        step = _chunk_rows(self.width)
+        with open(path, "rb") as f:
+            for r in range(0, self.num_rows, step):
+                view = memoryview(self.data[r : r + step].numpy()).cast("B")
+                if f.readinto(view) != len(view):
+                    raise ValueError(f"{path}: truncated at row {r}")
+
+
+class SSDStore(RowStore):
+    """Records in an unlinked, log-structured file under ``directory`` (see the module doc).
+
+    ``location`` [N] is the record index of each row's newest copy in the file; records ``[N, end)`` are the
+    appended ones. ``compact_ratio``: rewrite the file once ``end - N`` exceeds this many tables.
+    """
+
+    def __init__(self, num_rows: int, width: int, directory: str | Path, compact_ratio: float = 1.0) -> None:
+        super().__init__(num_rows, width)
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.compact_ratio = compact_ratio
+        self.compactions = 0
+        # int32 while every record index fits (a file of at most 2 + compact_ratio tables), else int64
+        max_records = int(num_rows * (2 + compact_ratio)) + 1
+        self._loc_dtype = torch.int32 if max_records < 2**31 else torch.int64
+        self._file = None
+        self._reset(self._new_file())
+
+    @property
+    def rb(self) -> int:
+        return 4 * self.width  # bytes per record
+
+    def _new_file(self) -> BinaryIO:
+        return tempfile.TemporaryFile(dir=self.directory, prefix="recstack-table-")
+
+    def _reset(self, new_file: BinaryIO) -> None:
+        """Make ``new_file`` (holding the table in row order) the store's file."""
+        self.close()
+        self._file = new_file
+        self.location = torch.arange(self.num_rows, dtype=self._loc_dtype)
+        self.end = self.num_rows
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.numel()
+        out = torch.empty(n, self.width)
+        if n == 0:
+            return out
+        loc = self.location[ids].to(torch.int64)
+        loc, order = torch.sort(loc)
+        buf = torch.empty(n, self.width)
+        view = memoryview(buf.numpy()).cast("B")
+        rb, fd = self.rb, self._file.fileno()
+        for a, b, first in _runs(loc):
+            _pread_all(fd, view[a * rb : b * rb], first * rb)
+        out[order] = buf
+        return out
+
+    def write(self, ids: torch.Tensor, records: torch.Tensor) -> None:
+        n = ids.numel()
+        if n == 0:
+            return
+        _pwrite_all(self._file.fileno(), memoryview(records.contiguous().numpy()).cast("B"), self.end * self.rb)
+        self.location[ids] = torch.arange(self.end, self.end + n, dtype=self._loc_dtype)
+        self.end += n
+        if self.end - self.num_rows > self.compact_ratio * self.num_rows:
+            self.compact()
+
+    def _chunks(self) -> Iterator[torch.Tensor]:
+        """All records in row order, CHUNK_BYTES at a time: [n, width] per chunk."""
+        step = _chunk_rows(self.width)
+        for r0 in range(0, self.num_rows, step):
+            yield self.read(torch.arange(r0, min(r0 + step, self.num_rows)))
+
+    def compact(self) -> None:
+        """Rewrite the file in row order, dropping the superseded records (sequential I/O)."""
+        new = self._new_file()
+        off = 0
+        for c in self._chunks():
+            _pwrite_all(new.fileno(), memoryview(c.numpy()).cast("B"), off)
+            off += c.numel() * 4
+        self._reset(new)
+        self.compactions += 1
+
+    def fill(self, chunks: Iterator[torch.Tensor]) -> None:
+        off = 0
+        for c in chunks:
+            buf = memoryview(c.contiguous().numpy()).cast("B")
+            _pwrite_all(self._file.fileno(), buf, off)
+            off += len(buf)
+        self.location = torch.arange(self.num_rows, dtype=self._loc_dtype)
+        self.end = self.num_rows
+
+    def save(self, path: Path) -> None:
+        with open(path, "wb") as f:
+            if self.end == self.num_rows and bool((self.location == torch.arange(self.num_rows)).all()):
+                copy_file_range_all(self._file.fileno(), f.fileno(), self.nbytes)  # still in row order
+            else:
+                for c in self._chunks():
+                    f.write(memoryview(c.numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load(self, path: Path) -> None:
+        check_table_file(path, self.num_rows, self.width)
+        new = self._new_file()
+        with open(path, "rb") as f:
+            copy_file_range_all(f.fileno(), new.fileno(), self.nbytes)
+        self._reset(new)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _runs(sorted_records: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Sorted record indices [n] -> (start, end, first record) of each run of consecutive records."""
+    n = sorted_records.numel()
+    breaks = (sorted_records[1:] != sorted_records[:-1] + 1).nonzero().squeeze(1) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*starts[1:], n]
+    return list(zip(starts, ends, sorted_records[starts].tolist(), strict=True))
+
+
+def _pread_all(fd: int, buf: memoryview, offset: int) -> None:
+    while buf:
+        n = os.preadv(fd, [buf], offset)
+        if n == 0:
+            raise OSError(f"unexpected end of the table file at byte {offset}")
+        buf, offset = buf[n:], offset + n
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    while buf:
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n

@@ -1,0 +1,195 @@
+"""Typed configuration of an ExFM experiment (``configs/exfm_*.toml``).
+
+Sections: ``[data]`` (the stream: synthetic or MovieLens), ``[stream]`` (windows, FM publishing, staleness
+schedule), ``[fm]`` and ``[vm]`` (each a ``model``/``optim`` pair in the layout of ``recstack.config`` plus a
+batch size), ``[distill]`` (the losses of the VM arms) and ``[experiment]`` (arms x staleness x seeds, workers).
+Unknown keys and wrong types are errors naming the file and the key, as for ``recstack train``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recstack.config import Config, ConfigError, ModelConfig, OptimConfig, TrainConfig, _fill, parse_override
+from recstack.config import validate as validate_model
+
+ARMS = ("alone", "distill", "aux", "aux_sa")
+ARM_TITLES = {
+    "alone": "VM alone",
+    "distill": "single-head distillation",
+    "aux": "Auxiliary Head",
+    "aux_sa": "Auxiliary Head + Student Adapter",
+}
+
+
+@dataclass
+class DataSpec:
+    """``source = "synth"``: ``synth`` holds ``recstack.data.synth.SynthConfig`` fields (its ``seed`` is
+    replaced per experiment seed when ``experiment.vary_data_seed``). ``source = "movielens"``: ``movielens``
+    holds ``recstack.exfm.movielens.MovieLensConfig`` fields (``path`` to the files)."""
+
+    source: str = "synth"
+    synth: dict[str, Any] = field(default_factory=dict)
+    movielens: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StreamConfig:
+    """Windows are ``window`` timestamp units long (synthetic data: days; MovieLens: seconds), or
+    ``window_rows`` rows each when that is > 0. VMs train alone on windows [0, ``vm_start``) (a warm-up that
+    every arm shares); from ``vm_start`` on they read FM labels. The FM publishes a snapshot after every
+    ``publish_every`` windows; with staleness d, window t is labelled by the newest snapshot that has seen
+    no window later than t - d - 1. ``max_windows`` > 0 stops the stream early."""
+
+    window: float = 1.0
+    window_rows: int = 0
+    vm_start: int = 6
+    publish_every: int = 1
+    max_windows: int = 0
+
+
+@dataclass
+class NetSpec:
+    """One model (FM or VM): a DLRM architecture, its optimizers and the batch size of its stream."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    batch_size: int = 256
+
+    def as_config(self, seed: int) -> Config:
+        """A ``recstack.config.Config`` carrying this spec, for ``recstack.models.build``."""
+        return Config(model=self.model, optim=self.optim, train=TrainConfig(seed=seed, batch_size=self.batch_size))
+
+
+@dataclass
+class DistillConfig:
+    """ExFM losses (h = binary cross-entropy on logits, y_F = sigmoid(FM logit)):
+
+    serving head h(y_S, y); distillation ``weight`` * h(y_D, min(``alpha`` * y_F, 1)), whose gradient into the
+    shared body is scaled by ``beta``; Student Adapter y_SA = MLP(FM logit) with ``sa_hidden`` units trained
+    by h(y_SA, y), and ``sa_weight`` * h(y_D, stop_grad(sigmoid(y_SA))). ``sa_lr_scale`` multiplies the
+    dense learning rate for the adapter's parameters."""
+
+    weight: float = 1.0
+    alpha: float = 1.0
+    beta: float = 1.0
+    sa_weight: float = 1.0
+    sa_hidden: list[int] = field(default_factory=lambda: [16])
+    sa_lr_scale: float = 1.0
+    sa_target: str = "distill"  # the head that fits the adapter's output: distill | serving
+
+
+@dataclass
+class ExperimentConfig:
+    """``on_missing``: what a VM does with an example the DAS has not labelled once ``das_wait_s`` passed:
+    ``error`` stops the run, ``drop`` leaves the example out of training and counts it in the report.
+    ``verticals`` empty = every vertical of the data. ``workers`` processes train in parallel, each with
+    ``threads`` torch threads."""
+
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    staleness: list[int] = field(default_factory=lambda: [0, 1, 2, 4])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    verticals: list[int] = field(default_factory=list)
+    vary_data_seed: bool = True
+    workers: int = 2
+    threads: int = 1
+    das_wait_s: float = 1800.0
+    das_part_rows: int = 4096
+    on_missing: str = "error"
+    chart_staleness: int = 2  # the staleness whose per-window NE is drawn large in ne_by_window.png
+
+
+@dataclass
+class ExfmConfig:
+    data: DataSpec = field(default_factory=DataSpec)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    fm: NetSpec = field(default_factory=NetSpec)
+    vm: NetSpec = field(default_factory=NetSpec)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def validate(cfg: ExfmConfig) -> None:
+    """Cross-field checks; every message names the key."""
+    s, e, d = cfg.stream, cfg.experiment, cfg.distill
+    if cfg.data.source not in ("synth", "movielens"):
+        raise ConfigError(f"data.source: {cfg.data.source!r} is not one of synth, movielens")
+    if cfg.data.source == "movielens" and not cfg.data.movielens.get("path"):
+        raise ConfigError("data.movielens.path: the MovieLens directory is required (scripts/fetch_movielens.py)")
+    if s.window <= 0 and s.window_rows <= 0:
+        raise ConfigError("stream.window: must be positive (or set stream.window_rows)")
+    if s.publish_every < 1:
+        raise ConfigError(f"stream.publish_every: must be >= 1, got {s.publish_every}")
+    bad = [a for a in e.arms if a not in ARMS]
+    if bad or not e.arms:
+        raise ConfigError(f"experiment.arms: {bad or e.arms} not in {', '.join(ARMS)}")
+    if "alone" not in e.arms:
+        raise ConfigError("experiment.arms: 'alone' is needed, it is the baseline of every NE gain")
+    if not e.staleness or min(e.staleness) < 0:
+        raise ConfigError(f"experiment.staleness: needs values >= 0, got {e.staleness}")
+    # The first VM window with FM labels must have a published snapshot under the largest staleness.
+    if s.vm_start - max(e.staleness) < s.publish_every:
+        raise ConfigError(
+            f"stream.vm_start: {s.vm_start} windows leave no published FM snapshot for staleness "
+            f"{max(e.staleness)} (publish_every={s.publish_every}); need vm_start >= "
+            f"{max(e.staleness) + s.publish_every}"
+        )
+    if not e.seeds:
+        raise ConfigError("experiment.seeds: at least one seed")
+    if e.on_missing not in ("error", "drop"):
+        raise ConfigError(f"experiment.on_missing: {e.on_missing!r} is not one of error, drop")
+    if e.workers < 1 or e.threads < 1 or e.das_part_rows < 1:
+        raise ConfigError("experiment.workers, experiment.threads, experiment.das_part_rows: must be >= 1")
+    if d.sa_target not in ("distill", "serving"):
+        raise ConfigError(f"distill.sa_target: {d.sa_target!r} is not one of distill, serving")
+    if d.weight < 0 or d.alpha <= 0 or d.beta < 0 or d.sa_weight < 0 or d.sa_lr_scale <= 0:
+        raise ConfigError("distill: weight, beta, sa_weight must be >= 0; alpha, sa_lr_scale > 0")
+    for name, spec in (("fm", cfg.fm), ("vm", cfg.vm)):
+        if spec.batch_size < 1:
+            raise ConfigError(f"{name}.batch_size: must be >= 1")
+        try:
+            validate_model(spec.as_config(0))
+        except ConfigError as err:
+            raise ConfigError(f"{name}.{err}") from err
+
+
+def load_exfm_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExfmConfig:
+    """Defaults, then the TOML file, then each ``section.key=value`` override (as ``recstack train --set``);
+    ``data.synth.KEY=...`` and ``data.movielens.KEY=...`` set one key of those tables."""
+    cfg = ExfmConfig()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found")
+        try:
+            values = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{p}: invalid TOML: {err}") from err
+        _fill(cfg, values, str(p))
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        if len(keys) > 2 and keys[0] == "data" and keys[1] in ("synth", "movielens"):
+            table = getattr(cfg.data, keys[1])  # a free-form table: set one key, keep the others
+            for k in keys[2:-1]:
+                table = table.setdefault(k, {})
+            table[keys[-1]] = value
+            continue
+        nested: dict[str, Any] = {keys[-1]: value}
+        for k in reversed(keys[:-1]):
+            nested = {k: nested}
+        _fill(cfg, nested, f"--set {text}")
+    validate(cfg)
+    return cfg
+
+
+def exfm_config_from_dict(values: dict[str, Any]) -> ExfmConfig:
+    cfg = ExfmConfig()
+    _fill(cfg, values, "config")
+    validate(cfg)
+    return cfg

@@ -1,0 +1,240 @@
+"""``recstack exfm run``: one FM teaching several VMs through the DAS, over arms x staleness x seeds.
+
+Per seed the runner prepares the stream (a synthetic log, or MovieLens once for all seeds), then runs:
+
+* the FM stream (one task), and, from the moment it starts, one DAS process (``python -m
+  recstack.exfm.das``) with one feed, i.e. one store, per staleness;
+* per vertical a warm-up task (the VM alone on windows [0, vm_start)), then the VM-alone continuation and one
+  task per (arm, staleness), each starting from that warm-up and reading its FM labels from the store of its
+  staleness as the DAS commits them.
+
+Tasks run in ``experiment.workers`` processes; a task whose ``result.json`` exists is not run again and an
+interrupted one resumes from its last window checkpoint, so rerunning the command after a crash finishes
+the experiment. The report (``results.json``, ``report.md``, ``ne_gain.png``, ``ne_by_window.png``) is
+written to the output directory at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import subprocess
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recstack.data.format import PreparedDataset
+from recstack.exfm.config import ExfmConfig, exfm_config_from_dict
+from recstack.exfm.das import DasJob
+from recstack.exfm.vm_stream import VMJob
+from recstack.exfm.windows import VerticalIndex, make_windows
+
+
+def _tag(values: dict[str, Any]) -> str:
+    """A short stable name for a data config, so a changed config never reuses data made by another one."""
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def prepare_stream(cfg: ExfmConfig, out: Path, seed: int) -> Path:
+    """The prepared data set of ``seed`` (generated or converted on first use, then reused)."""
+    if cfg.data.source == "movielens":
+        from recstack.exfm.movielens import MovieLensConfig, prepare_movielens
+
+        ml = MovieLensConfig(**cfg.data.movielens)
+        path = out / "data" / f"movielens_{_tag(asdict(ml))}"
+        if not (path / "meta.json").is_file():
+            prepare_movielens(ml, path, overwrite=True)
+        return path
+    from recstack.data.synth import SynthConfig, generate
+
+    values = dict(cfg.data.synth)
+    if cfg.experiment.vary_data_seed:
+        values["seed"] = seed
+    synth = SynthConfig(**values)
+    path = out / "data" / f"synth_seed{synth.seed}_{_tag(synth.to_dict())}"
+    if not (path / "meta.json").is_file():
+        generate(synth, path, progress=False, overwrite=True)
+    return path
+
+
+@dataclass
+class Task:
+    key: str
+    kind: str  # fm | vm
+    payload: dict[str, Any]
+    result: Path
+    deps: list[str] = field(default_factory=list)
+    seed: int = 0
+
+
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _run_task(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """Runs in a worker process."""
+    if kind == "fm":
+        from recstack.exfm.fm import run_fm_stream
+
+        cfg = exfm_config_from_dict(payload["config"])
+        ds = PreparedDataset(payload["data"])
+        windows = make_windows(ds, cfg.stream)
+        out = Path(payload["out_dir"])
+        result = run_fm_stream(ds, windows, cfg.fm, payload["seed"], out, cfg.stream.publish_every,
+                               eval_from=cfg.stream.vm_start)
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+        return result
+    from recstack.exfm.vm_stream import run_vm_stream
+
+    return run_vm_stream(VMJob.from_dict(payload))
+
+
+class ExperimentRunner:
+    def __init__(self, cfg: ExfmConfig, out_dir: str | Path, log=print) -> None:
+        self.cfg = cfg
+        self.out = Path(out_dir)
+        self.log = log
+        self.das: dict[int, subprocess.Popen] = {}
+        self.data: dict[int, Path] = {}  # seed -> prepared stream
+        self.verticals: dict[int, list[int]] = {}  # seed -> verticals with a VM
+
+    def plan(self) -> list[Task]:
+        """Every task of the experiment, FM tasks first (the DAS waits on them), then warm-ups, then arms."""
+        cfg, e = self.cfg, self.cfg.experiment
+        fm_tasks, warm_tasks, arm_tasks = [], [], []
+        for seed in e.seeds:
+            data = prepare_stream(cfg, self.out, seed)
+            self.data[seed] = data
+            all_v = VerticalIndex(PreparedDataset(data)).verticals
+            verts = [v for v in all_v if not e.verticals or v in e.verticals]
+            if len(verts) == 0:
+                raise ValueError(f"experiment.verticals: none of {e.verticals} is in the data ({all_v})")
+            self.verticals[seed] = verts
+            sd = self.out / f"seed{seed}"
+            fm_dir = sd / "fm"
+            fm_tasks.append(Task(f"fm/s{seed}", "fm", {"config": cfg.to_dict(), "data": str(data),
+                                                       "out_dir": str(fm_dir), "seed": seed},
+                                 fm_dir / "result.json", seed=seed))
+            base = dict(data=str(data), seed=seed, vm=asdict(cfg.vm), distill=asdict(cfg.distill),
+                        stream=asdict(cfg.stream), das_wait_s=e.das_wait_s, on_missing=e.on_missing,
+                        threads=e.threads)
+            for v in verts:
+                vd = sd / "vm" / f"v{v}"
+                warm = VMJob.from_dict({**base, "out_dir": str(vd / "warmup"), "phase": "warmup", "vertical": v})
+                warm_tasks.append(Task(f"warm/s{seed}/v{v}", "vm", warm.to_dict(), vd / "warmup" / "result.json",
+                                       seed=seed))
+                for arm in e.arms:
+                    for d in ([-1] if arm == "alone" else e.staleness):
+                        name = "alone" if arm == "alone" else f"{arm}_d{d}"
+                        store = str(sd / "das" / f"d{d}") if d >= 0 else ""
+                        job = VMJob.from_dict({**base, "out_dir": str(vd / name), "phase": "arm", "vertical": v,
+                                               "arm": arm, "staleness": d, "store": store,
+                                               "warm_dir": str(vd / "warmup")})
+                        deps = [f"warm/s{seed}/v{v}"] + ([f"fm/s{seed}"] if d >= 0 else [])
+                        arm_tasks.append(Task(f"{name}/s{seed}/v{v}", "vm", job.to_dict(), vd / name / "result.json",
+                                              deps, seed))
+        return fm_tasks + warm_tasks + arm_tasks
+
+    def _start_das(self, seed: int) -> None:
+        if seed in self.das:
+            return
+        sd = self.out / f"seed{seed}"
+        feeds = [[str(sd / "das" / f"d{d}"), d] for d in self.cfg.experiment.staleness]
+        job = DasJob(data=str(self.data[seed]), snapshots=str(sd / "fm" / "snapshots"), feeds=feeds,
+                     stream=self.cfg.stream, first_window=self.cfg.stream.vm_start, verticals=self.verticals[seed],
+                     part_rows=self.cfg.experiment.das_part_rows, wait_s=self.cfg.experiment.das_wait_s,
+                     threads=self.cfg.experiment.threads)
+        sd.mkdir(parents=True, exist_ok=True)
+        path = job.save(sd / "das_job.json")
+        log = open(sd / "das.log", "a")  # the child keeps its own handle; ours is closed right away
+        self.das[seed] = subprocess.Popen([sys.executable, "-m", "recstack.exfm.das", "--job", str(path)],
+                                          stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def _check_das(self, final: bool = False) -> None:
+        for seed, proc in self.das.items():
+            rc = proc.wait() if final else proc.poll()
+            if rc not in (None, 0):
+                tail = (self.out / f"seed{seed}" / "das.log").read_text()[-2000:]
+                raise RuntimeError(f"DAS of seed {seed} exited with status {rc}:\n{tail}")
+
+    def run(self) -> dict[str, Any]:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+        tasks = self.plan()
+        done = {t.key for t in tasks if t.result.is_file()}
+        done_before = set(done)
+        pending = [t for t in tasks if t.key not in done]
+        for seed in sorted({t.seed for t in pending if t.kind == "vm" and t.payload["staleness"] >= 0}):
+            self._start_das(seed)  # on a rerun it skips the windows it has committed
+        workers = self.cfg.experiment.workers
+        t0 = time.perf_counter()
+        self.log(f"exfm: {len(tasks)} tasks ({len(done)} already done), {workers} workers -> {self.out}")
+        ctx = mp.get_context("spawn")  # no fork after torch has started its thread pools
+        try:
+            pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                       initargs=(self.cfg.experiment.threads,))
+            try:
+                running: dict[Future, Task] = {}
+                while pending or running:
+                    for t in list(pending):
+                        if len(running) >= workers:
+                            break
+                        if all(d in done for d in t.deps):
+                            pending.remove(t)
+                            running[pool.submit(_run_task, t.kind, t.payload)] = t
+                    finished, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+                    self._check_das()
+                    for f in finished:
+                        t = running.pop(f)
+                        f.result()  # re-raises a task's error here
+                        done.add(t.key)
+                        self.log(f"  [{len(done)}/{len(tasks)}] {t.key} ({time.perf_counter() - t0:.0f} s)")
+            except BaseException:
+                # Fail fast: a running VM task may be waiting (das_wait_s) for a DAS that is gone. Python 3.11's
+                # executor has no public way to stop its workers, so they are terminated through its table.
+                for proc in list(getattr(pool, "_processes", {}).values()):
+                    proc.terminate()
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            pool.shutdown(wait=True)
+            self._check_das(final=True)
+        finally:
+            for proc in self.das.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        return self.collect(tasks, time.perf_counter() - t0, len(tasks) - len(done_before))
+
+    def collect(self, tasks: list[Task], seconds: float, tasks_run: int) -> dict[str, Any]:
+        """Gather every task's result into one document and write the report. ``seconds``: wall time of
+        this invocation, which ran ``tasks_run`` of the tasks (the others were done by an earlier one)."""
+        from recstack.exfm.report import write_report
+
+        fm, vms, warm = {}, [], {}
+        for t in tasks:
+            res = json.loads(t.result.read_text())
+            if t.kind == "fm":
+                fm[t.seed] = res
+            elif t.payload["phase"] == "warmup":
+                warm[(t.seed, t.payload["vertical"])] = res["records"]
+            else:
+                vms.append(res)
+        for res in vms:
+            j = res["job"]
+            res["records"] = warm[(j["seed"], j["vertical"])] + res["records"]
+        meta = PreparedDataset(self.data[self.cfg.experiment.seeds[0]]).info
+        names = meta.get("verticals") or [f"v{v}" for v in range(max(max(v) for v in self.verticals.values()) + 1)]
+        results = {"config": self.cfg.to_dict(), "seconds": seconds, "tasks_run": tasks_run, "vertical_names": names,
+                   "fm": {str(s): r for s, r in fm.items()},
+                   "vm": [{"seed": r["job"]["seed"], "vertical": r["job"]["vertical"], "arm": r["job"]["arm"],
+                           "staleness": r["job"]["staleness"], "records": r["records"], "summary": r["summary"]}
+                          for r in vms]}
+        write_report(results, self.out)
+        return results

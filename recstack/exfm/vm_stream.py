@@ -1,0 +1,162 @@
+"""A VM's stream: its vertical's rows of each window, joined with the FM labels the DAS logged for them.
+
+A VM run is one (vertical, arm, staleness). Every arm of a vertical starts from the same warm-up: the VM
+trained alone on windows [0, vm_start), before FM labels flow (``phase = "warmup"``). From ``vm_start`` on the
+arm trains on its vertical's rows of each window with the FM logit joined by example id from the DAS store.
+An example without its FM label is never trained on silently: the VM waits ``das_wait_s`` for the DAS to
+commit the window, then stops with ``MissingFMLabels`` (``on_missing = "error"``) or leaves the unlabelled
+examples out of training and reports how many (``on_missing = "drop"``). Progressive evaluation reports the
+serving head, and for distillation arms the FM labels themselves (``fm``: how good the possibly stale FM is
+on this vertical) and the Student Adapter (``adapter``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from recstack.checkpoint import latest_checkpoint
+from recstack.config import _fill
+from recstack.data.format import PreparedDataset
+from recstack.exfm.config import DistillConfig, NetSpec, StreamConfig
+from recstack.exfm.fm import build_net, table_caps
+from recstack.exfm.store import DasStore
+from recstack.exfm.stream import StreamTrainer
+from recstack.exfm.vm import FM_LOGIT, VerticalModel
+from recstack.exfm.windows import VerticalIndex, Window, make_windows, row_batches
+from recstack.metrics import BinaryMetrics
+from recstack.models.build import build_dense_optimizer
+
+EVAL_BATCH = 4096
+
+
+@dataclass
+class VMJob:
+    """One VM run. ``phase``: ``warmup`` (windows [0, vm_start), alone) or ``arm`` (windows [vm_start, end)
+    starting from the warm-up's final state in ``warm_dir``). ``store``: the DAS store of this staleness."""
+
+    data: str = ""
+    out_dir: str = ""
+    phase: str = "arm"
+    vertical: int = 0
+    arm: str = "alone"
+    staleness: int = -1  # -1: no FM labels
+    store: str = ""
+    warm_dir: str = ""
+    seed: int = 0
+    vm: NetSpec = field(default_factory=NetSpec)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    das_wait_s: float = 1800.0
+    on_missing: str = "error"
+    threads: int = 1
+    distill_head_init: str = "serving"  # serving: a copy of the warm serving head; random: fresh init
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(values: dict[str, Any]) -> VMJob:
+        job = VMJob()
+        _fill(job, values, "VMJob")
+        return job
+
+
+class VerticalSource:
+    """Batches of one vertical's rows per window, with FM logits joined from ``store`` (if any)."""
+
+    def __init__(self, ds: PreparedDataset, index: VerticalIndex, vertical: int, batch_size: int,
+                 caps: torch.Tensor | None, store: DasStore | None, wait_s: float, on_missing: str) -> None:
+        self.ds, self.index, self.vertical = ds, index, vertical
+        self.batch_size, self.caps = batch_size, caps
+        self.store, self.wait_s, self.on_missing = store, wait_s, on_missing
+        self.example_id = np.asarray(ds.column("example_id")) if ds.has("example_id") else None
+        self._joined: dict[int, tuple[np.ndarray, np.ndarray | None, dict[str, Any]]] = {}
+
+    def joined(self, w: Window) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
+        """-> (rows [n], FM logits [n] or None, info) for window ``w``; rows without a label are dropped
+        (``on_missing = "drop"``) or raise ``MissingFMLabels``."""
+        if w.index in self._joined:
+            return self._joined[w.index]
+        rows = self.index.rows(w, self.vertical)
+        if self.store is None or len(rows) == 0:
+            out: tuple[np.ndarray, np.ndarray | None, dict[str, Any]] = (rows, None, {})
+        else:
+            ids = self.example_id[rows] if self.example_id is not None else rows
+            logits, found, version = self.store.lookup(w.index, ids, self.wait_s, partial=self.on_missing == "drop")
+            out = (rows[found], logits[found], {"fm_version": version, "fm_missing": int((~found).sum())})
+        self._joined = {w.index: out}  # one window at a time: training follows the evaluation of the same one
+        return out
+
+    def batches(self, w: Window, batch_size: int):
+        rows, logits, _ = self.joined(w)
+        return row_batches(self.ds, rows, batch_size, caps=self.caps,
+                           columns={FM_LOGIT: logits} if logits is not None else None)
+
+
+def _load_body(model: VerticalModel, warm_dir: Path) -> None:
+    state = latest_checkpoint(warm_dir / "checkpoints")
+    if state is None:
+        raise FileNotFoundError(f"{warm_dir}/checkpoints: no warm-up checkpoint to start the arm from")
+    body = {k.removeprefix("body."): v for k, v in state["model"].items() if k.startswith("body.")}
+    model.body.load_state_dict(body)
+
+
+def run_vm_stream(job: VMJob, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Run (or resume) one VM job; -> {"records", "summary"}; also written to ``out_dir/result.json``."""
+    torch.set_num_threads(job.threads)
+    out = Path(job.out_dir)
+    ds = PreparedDataset(job.data)
+    windows = make_windows(ds, job.stream)
+    index = VerticalIndex(ds)
+    start = job.stream.vm_start
+    if job.phase == "warmup":
+        first, stop, arm = 0, min(start, len(windows)), "alone"
+    elif job.phase == "arm":
+        first, stop, arm = start, len(windows), job.arm
+    else:
+        raise ValueError(f"VMJob.phase: {job.phase!r} is not warmup or arm")
+    body = build_net(job.vm, ds, job.seed * 1009 + job.vertical, device)  # the same body for every arm
+    model = VerticalModel(body, arm, job.distill).to(device)
+    if job.phase == "arm":
+        _load_body(model, Path(job.warm_dir))
+        if job.distill_head_init == "serving":
+            model.init_distill_head_from_serving()
+    cfg = job.vm.as_config(job.seed)
+    optimizer = build_dense_optimizer(cfg, model.dense_param_groups(job.vm.optim.dense_lr))  # type: ignore[arg-type]
+    store = DasStore(job.store) if model.needs_fm else None
+    if model.needs_fm and not job.store:
+        raise ValueError(f"VMJob: arm {arm!r} needs a DAS store")
+    source = VerticalSource(ds, index, job.vertical, job.vm.batch_size, table_caps(job.vm, ds), store,
+                            job.das_wait_s, job.on_missing)
+
+    def evaluate(w: Window) -> dict[str, BinaryMetrics]:
+        groups = {"serving": BinaryMetrics()}
+        if model.needs_fm:
+            groups["fm"] = BinaryMetrics()
+        if model.adapter is not None:
+            groups["adapter"] = BinaryMetrics()
+        for batch in source.batches(w, EVAL_BATCH):
+            batch = batch.to(device)
+            groups["serving"].update(model(batch), batch.labels)
+            if model.needs_fm:
+                fm = batch.extras[FM_LOGIT]
+                groups["fm"].update(fm, batch.labels)
+                if model.adapter is not None:
+                    groups["adapter"].update(model.adapter(fm), batch.labels)
+        return groups
+
+    trainer = StreamTrainer(
+        model, model.loss, optimizer, windows[:stop], lambda w: source.batches(w, job.vm.batch_size), evaluate,
+        device=device, first=first, eval_from=start, ckpt_dir=out / "checkpoints", log_dir=out,
+        describe=lambda w: source.joined(w)[2],
+    )
+    records = trainer.run()
+    result = {"job": job.to_dict(), "records": records, "summary": trainer.summary()}
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    return result

@@ -1,0 +1,109 @@
+"""2-rank training through the Trainer with the error-bounded codec: close to fp32, far fewer bytes sent,
+per-step ratio, codec time and bounds in force in metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from recstack.compression.codec import EbCodec
+from recstack.config import load_config
+from recstack.distributed.codecs import ChunkKey, get_codec
+
+COMMON = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.threads=1",
+          "train.progress=false", "train.max_steps=80", "train.log_every=20", "train.batch_size=64",
+          "optim.dense=\"adam\"", "optim.dense_lr=0.01", "optim.sparse_lr=0.1",
+          # the tiny set's tables have 50, 300, 7 and 1000 rows: one in each class
+          "compression.tight_min_rows=1000", "compression.loose_max_rows=10", "compression.schedule_stage=40"]
+RUNS = {
+    "fp32": ['dist.forward_codec="fp32"', 'dist.backward_codec="fp32"'],
+    "eb": ['dist.forward_codec="eb"', 'dist.backward_codec="eb"', "compression.error_feedback=true"],
+}
+
+
+def _worker(rank: int, world: int, port: int, data: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from recstack.trainer import Trainer
+
+    for name, extra in RUNS.items():
+        cfg = load_config(None, [*COMMON, f'data.train="{data}"', *extra])
+        Trainer(cfg, Path(out) / name).train()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("eb_dist")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(2, port, str(tiny_dataset), str(out)), nprocs=2, join=True)
+    return out
+
+
+def _train_lines(run: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if x["kind"] == "train"]
+
+
+def test_eb_training_stays_close_to_fp32(runs: Path) -> None:
+    fp32 = json.loads((runs / "fp32" / "summary.json").read_text())
+    eb = json.loads((runs / "eb" / "summary.json").read_text())
+    assert fp32["world_size"] == eb["world_size"] == 2 and fp32["steps"] == eb["steps"] == 80
+    assert fp32["auc"] > 0.6  # the model learned something worth comparing
+    assert abs(eb["auc"] - fp32["auc"]) < 0.01
+    assert abs(eb["logloss"] - fp32["logloss"]) < 0.01
+
+
+def test_eb_sends_fewer_bytes_and_logs_ratio_time_and_bounds(runs: Path) -> None:
+    fp32, eb = _train_lines(runs / "fp32"), _train_lines(runs / "eb")
+    for a, b in zip(fp32, eb, strict=True):
+        assert b["bytes_fwd_a2a"] < a["bytes_fwd_a2a"] / 3
+        assert b["bytes_bwd_a2a"] < a["bytes_bwd_a2a"] / 2
+    for line in eb:
+        for d in ("fwd", "bwd"):
+            assert line[f"eb_{d}_ratio"] > 2 and line[f"eb_{d}_encode_s"] > 0 and line[f"eb_{d}_decode_s"] > 0
+            assert line[f"eb_{d}_raw_bytes"] / line[f"eb_{d}_bytes"] == pytest.approx(line[f"eb_{d}_ratio"])
+    # step schedule, c = 2, stage 40 steps: the multiplier falls from 2 to 1 by step 40 and stays there
+    mult = [x["eb_fwd_bound_multiplier"] for x in eb]
+    assert mult[0] > mult[1] > 1.0 and mult[-1] == 1.0
+    last = eb[-1]
+    assert (last["eb_fwd_bound_tight"], last["eb_fwd_bound_base"], last["eb_fwd_bound_loose"]) == (0.01, 0.03, 0.05)
+    info = json.loads((runs / "eb" / "compression.json").read_text())
+    classes = {t["table"]: t["class"] for t in info["tables"]["fwd"]}
+    assert classes == {"C1": "base", "C2": "base", "C3": "loose", "C4": "tight"}
+
+
+def test_error_feedback_carries_the_residual() -> None:
+    codec = EbCodec(0.2, error_feedback=True)
+    key = ChunkKey("bwd_a2a", 0, 1, 0)
+    x = torch.linspace(-1, 1, 64).reshape(8, 8)
+    total_sent, total_true = torch.zeros_like(x), torch.zeros_like(x)
+    for _ in range(50):  # the same gradient every step: the sum of what is sent tracks the true sum
+        total_sent += codec.decode(codec.encode_chunk(x, key), (8, 8))
+        total_true += x
+    one_step_error = (codec.decode(EbCodec(0.2).encode_chunk(x, key), (8, 8)) - x).abs().max()
+    assert one_step_error > 0.05
+    assert (total_sent - total_true).abs().max() <= 2 * one_step_error  # bounded, not 50x one step
+
+
+def test_eb_is_available_by_name_and_checks_the_shape() -> None:
+    codec = get_codec("eb")
+    payload = codec.encode(torch.randn(4, 3))
+    assert codec.decode(payload, (4, 3)).shape == (4, 3)
+    from recstack.distributed.codecs import CodecError
+
+    with pytest.raises(CodecError, match="expected"):
+        codec.decode(payload, (3, 4))
+
+
+if os.environ.get("RECSTACK_SKIP_DIST"):
+    pytestmark = pytest.mark.skip("RECSTACK_SKIP_DIST set")
