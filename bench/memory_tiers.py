@@ -220,7 +220,7 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
                [100 * r["vs_all_in_memory_range"][1] - y for y, r in zip(ys, rows, strict=True)]]
         ax1.errorbar(xs, ys, yerr=err, marker=marker, capsize=3, label=tier)
         ax2.plot(xs, [100 * r["hit_rate"] for r in rows], marker=marker, label=tier)
-    ax1.axhline(100, color="k", ls="--", lw=1, label=f"all-in-memory ({base['samples_per_sec']:,.0f} samples/s)")
+    ax1.axhline(100, color="k", ls="--", lw=1, label="all-in-memory, same process")
     ax1.axhline(50, color="grey", ls=":", lw=1, label="50%")
     for r in (r for r in results if r["name"] == "larger-than-RAM"):
         label = f"ssd-cached, tables {r['table_bytes'] / r['ram_budget_bytes']:.1f}x the RAM budget"

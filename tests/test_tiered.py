@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from recstack.data.batch import SparseFeatures
-from recstack.embedding import FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
+from recstack.embedding import FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig, tiered_store
 from recstack.embedding.cache import SetAssociativeCache, id_hash
 from recstack.embedding.collection import init_table
 from recstack.embedding.tiered import TablePlacement, TieredEmbeddingCollection
@@ -210,10 +210,14 @@ def test_chunked_init_matches_init_table() -> None:
     assert torch.equal(rec[:, 6], torch.full((1001,), 0.5))
 
 
-def test_ssd_store_log_compaction_and_files(tmp_path: Path) -> None:
-    """Writes append to the file's log; reads follow the newest copy; compaction and save keep row order."""
+@pytest.mark.parametrize("parallel", [False, True])
+def test_ssd_store_log_compaction_and_files(parallel: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes append to the file's log; reads follow the newest copy (split over threads when large);
+    compaction and save keep row order."""
+    if parallel:
+        monkeypatch.setattr(tiered_store, "PARALLEL_READ_MIN_RUNS", 2)
     expect = torch.arange(500, dtype=torch.float32).view(100, 5)
-    s = SSDStore(100, 5, tmp_path, compact_ratio=0.5)
+    s = SSDStore(100, 5, tmp_path, compact_ratio=0.5, io_threads=3)
     s.fill(iter([expect[:30], expect[30:]]))
     assert list(tmp_path.iterdir()) == []  # the table file has no name: nothing can outlive the process
     g = torch.Generator().manual_seed(0)

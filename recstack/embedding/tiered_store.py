@@ -2,16 +2,17 @@
 
 A table is stored as records of ``width`` float32 values, one per row: the D weights followed, with row-wise
 Adagrad, by the row's accumulator, so an optimizer state always travels with its row (fetched, evicted and
-checkpointed together). The same record layout is the checkpoint file format, so saving an SSD table is a
-file copy and restoring one is a copy back.
+checkpointed together). The same layout, in row order, is the checkpoint file format: saving streams a table's
+records in chunks, restoring an SSD table is a file copy.
 
 - ``HostStore``: records in a host-memory tensor [N, width] (pinned when the compute device is a GPU).
 - ``SSDStore``: records in a log-structured file on disk. The file starts as the table in row order; a write
   appends its records at the end in one sequential ``pwrite`` and points the rows' entries of an in-memory
-  location index (4 bytes per row) at them; a read follows the index, one ``pread`` per run of consecutive
-  records. Rewriting rows in place would dirty a whole page (or a large folio) per 256-byte row and have the
-  kernel write all of it back; appending writes each row once. When the appended records reach the table's size
-  the file is rewritten in row order (sequential reads and writes), so it never exceeds twice the table.
+  location index (4 bytes per row; 8 past 700M rows) at them; a read follows the index, one ``pread`` per run
+  of consecutive records. Rewriting rows in place would dirty a whole page (or a large folio) per 256-byte row
+  and have the kernel write all of it back; appending writes each row once. When the appended records reach the
+  table's size the file is rewritten in row order (sequential reads and writes), so it never exceeds twice the
+  table.
   Nothing is memory-mapped, so the process's resident memory does not grow with the table (the kernel's page
   cache may keep the file's pages: that memory is the kernel's, reclaimable, not the process's).
   The file is created unlinked (a temporary file that has no name), so it vanishes when the process ends,
@@ -25,6 +26,7 @@ import abc
 import os
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,6 +35,7 @@ import torch
 from recstack.embedding.collection import TableConfig
 
 CHUNK_BYTES = 64 << 20  # streaming granularity for init, save and load
+PARALLEL_READ_MIN_RUNS = 256  # reads of fewer runs of records per thread stay on the calling thread
 
 
 def record_width(dim: int, with_accumulator: bool) -> int:
@@ -124,7 +127,7 @@ class RowStore(abc.ABC):
         """Replace all records with those of a file written by ``save``."""
 
     def close(self) -> None:  # noqa: B027 - stores without OS resources need nothing
-        """Release files and mappings."""
+        """Release the store's file, if it has one."""
 
 
 class HostStore(RowStore):
@@ -168,11 +171,15 @@ class SSDStore(RowStore):
     """Records in an unlinked, log-structured file under ``directory`` (see the module doc).
 
     ``location`` [N] is the record index of each row's newest copy in the file; records ``[N, end)`` are the
-    appended ones. ``compact_ratio``: rewrite the file once ``end - N`` exceeds this many tables.
+    appended ones. ``compact_ratio``: rewrite the file once ``end - N`` exceeds this many tables. Large reads are
+    split over ``io_threads`` threads (0 = one per CPU, at most 8).
     """
 
-    def __init__(self, num_rows: int, width: int, directory: str | Path, compact_ratio: float = 1.0) -> None:
+    def __init__(
+        self, num_rows: int, width: int, directory: str | Path, compact_ratio: float = 1.0, io_threads: int = 0
+    ) -> None:
         super().__init__(num_rows, width)
+        self.io_threads = io_threads or min(8, os.cpu_count() or 1)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.compact_ratio = compact_ratio
@@ -207,8 +214,17 @@ class SSDStore(RowStore):
         buf = torch.empty(n, self.width)
         view = memoryview(buf.numpy()).cast("B")
         rb, fd = self.rb, self._file.fileno()
-        for a, b, first in _runs(loc):
-            _pread_all(fd, view[a * rb : b * rb], first * rb)
+        runs = _runs(loc)
+
+        def read_runs(part: list[tuple[int, int, int]]) -> None:
+            for a, b, first in part:
+                _pread_all(fd, view[a * rb : b * rb], first * rb)
+
+        k = min(self.io_threads, len(runs) // PARALLEL_READ_MIN_RUNS)
+        if k > 1:  # several reads in flight: an SSD serves them in parallel, the page cache on several cores
+            list(_io_pool(self.io_threads).map(read_runs, [runs[i::k] for i in range(k)]))
+        else:
+            read_runs(runs)
         out[order] = buf
         return out
 
@@ -268,6 +284,16 @@ class SSDStore(RowStore):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _io_pool(threads: int) -> ThreadPoolExecutor:
+    """A shared pool per size; its threads spend their time in pread, which releases the GIL."""
+    if threads not in _POOLS:
+        _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="table-io")
+    return _POOLS[threads]
 
 
 def _runs(sorted_records: torch.Tensor) -> list[tuple[int, int, int]]:
