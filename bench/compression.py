@@ -170,21 +170,34 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(s, d) for s, r in results["sources"].items() for d in r["summary"]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.6), sharey=True)
-    for ax, (source, direction) in zip(np.atleast_1d(axes), panels, strict=True):
-        per = results["sources"][source]["summary"][direction]["codecs"]
-        names = list(per)
-        ax.bar(names, [per[n]["ratio_geomean"] for n in names],
-               color=["tab:red" if n == "eb" else "tab:gray" for n in names])
-        ax.set_yscale("log")
-        ax.set_title(f"{source} {direction}", fontsize=9)
-        ax.tick_params(axis="x", rotation=70, labelsize=7)
-    np.atleast_1d(axes)[0].set_ylabel(f"compression ratio at bound {results['bound']:g} (geomean over tables)")
+    sources = list(results["sources"])
+    fig, axes = plt.subplots(2, len(sources), figsize=(3.4 * len(sources), 6.4), sharey=True, squeeze=False)
+    for row, direction in enumerate(("fwd", "bwd")):
+        for col, source in enumerate(sources):
+            ax = axes[row][col]
+            per = results["sources"][source]["summary"].get(direction, {}).get("codecs", {})
+            names = list(per)
+            ax.bar(names, [per[n]["ratio_geomean"] for n in names],
+                   color=["tab:red" if n == "eb" else "tab:gray" for n in names])
+            ax.set_yscale("log")
+            ax.set_title(f"{source}, {'forward' if direction == 'fwd' else 'backward'}", fontsize=9)
+            ax.tick_params(axis="x", rotation=70, labelsize=7)
+        axes[row][0].set_ylabel(f"ratio at bound {results['bound']:g}\n(geomean over tables)", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _rounded(v: Any) -> Any:
+    """Floats to 4 significant digits, so that the per-payload record stays small."""
+    if isinstance(v, float):
+        return float(f"{v:.4g}") if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return v
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -213,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows = measure(payloads, args.bound, repeats, clock, codecs)
         results["sources"][name] = {"summary": summarize(rows), "payloads": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    Path(args.out).write_text(json.dumps(_rounded(results), separators=(",", ":")))
     plot(results, Path(args.plot))
     print(markdown(results))
     return results

@@ -54,12 +54,12 @@ def _zstd_codes_encode(a: np.ndarray, eb_abs: float) -> tuple[bytes, float, int,
     q = np.rint(a.astype(np.float64) / step) if step > 0 else np.zeros(a.shape)
     qmin = int(q.min()) if q.size else 0
     codes = (q - qmin).astype(np.uint16 if q.size and q.max() - qmin > 255 else np.uint8)
-    return pk._zstd()[0].compress(codes.tobytes()), step, qmin, codes.dtype.itemsize
+    return pk.zstd_contexts()[0].compress(codes.tobytes()), step, qmin, codes.dtype.itemsize
 
 
 def _zstd_codes_decode(p: tuple[bytes, float, int, int], shape: tuple[int, int]) -> np.ndarray:
     data, step, qmin, itemsize = p
-    codes = np.frombuffer(pk._zstd()[1].decompress(data), dtype=np.uint16 if itemsize == 2 else np.uint8)
+    codes = np.frombuffer(pk.zstd_contexts()[1].decompress(data), dtype=np.uint16 if itemsize == 2 else np.uint8)
     return ((codes.astype(np.float64) + qmin) * step).astype(np.float32).reshape(shape)
 
 

@@ -182,6 +182,29 @@ def _quantized_body(qz, n: int, d: int, use_zstd: bool) -> tuple[Header, list[to
     return header, sections, layout
 
 
+def _decode_zstd(h: Header, secs: list[torch.Tensor], u: int, d: int, wide: bool) -> tuple[torch.Tensor, int]:
+    """The zstd layouts, decoded on the host with numpy -> (values [N, D] float32 on the CPU, next section)."""
+    n = h.rows
+    if h.flags & FLAG_PAIRS:
+        packed = pk.zstd_unpack(secs[0], -(-u * d // 2), "code")
+        escaped = pk.zstd_unpack(secs[1], -1, "escape", limit=u * d)
+        c, pos = pk.pair_decode(packed, escaped, u * d, h.center), 2
+    else:
+        c, pos = pk.from_planes(pk.zstd_unpack(secs[0], u * d * (2 if wide else 1), "code"), u * d, wide), 1
+    if c.size and int(c.max()) >= h.levels:
+        raise EbFormatError(f"eb: a code is outside the {h.levels} levels")
+    values = c.astype(np.float32).reshape(u, d)  # the same float32 arithmetic as ``dequantize``
+    if h.qmin:
+        values += np.float32(h.qmin)
+    values *= np.float32(h.step)
+    if h.flags & FLAG_DEDUP:
+        wide_index = u + 1 > 256
+        raw = pk.zstd_unpack(secs[pos], n * (2 if wide_index else 1), "row index")
+        values = values[pk.rows_from_tokens_np(pk.from_planes(raw, n, wide_index), u)]
+        pos += 1
+    return torch.from_numpy(values), pos
+
+
 def _view(section: torch.Tensor, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
     """Section bytes -> [count] of ``dtype`` (copied when the bytes are not aligned for it)."""
     size = torch.empty(0, dtype=dtype).element_size()
@@ -220,33 +243,19 @@ def decode(message: torch.Tensor) -> torch.Tensor:
     u = h.unique_rows if f & FLAG_DEDUP else n
     if u != h.unique_rows or (n and not u):
         raise EbFormatError(f"eb: {h.unique_rows} distinct rows for {n} rows")
-    device, wide, pos = message.device, bool(f & FLAG_WIDE), 0
+    device, wide = message.device, bool(f & FLAG_WIDE)
+    grid = Grid(h.eb_abs, h.step, float(np.float32(h.step)), h.qmin, h.levels)
     if f & FLAG_ZSTD:
-        if f & FLAG_PAIRS:
-            packed = pk.zstd_unpack(secs[0], -(-u * d // 2), "code")
-            escaped = pk.zstd_unpack(secs[1], -1, "escape", limit=u * d)
-            c = pk.pair_decode(packed, escaped, u * d, h.center)
-            pos = 2
-        else:
-            c = pk.from_planes(pk.zstd_unpack(secs[0], u * d * (2 if wide else 1), "code"), u * d, wide)
-            pos = 1
-        codes = torch.from_numpy(np.ascontiguousarray(c)).view(u, d).to(device)
+        values, pos = _decode_zstd(h, secs, u, d, wide)
+        values = values.to(device)
     else:
         codes = pk.bitunpack(secs[0], pk.bits_for(h.levels), u * d).view(u, d)
-        pos = 1
-    if codes.numel() and int(codes.max()) >= h.levels:
-        raise EbFormatError(f"eb: a code is outside the {h.levels} levels")
-    values = dequantize(codes, Grid(h.eb_abs, h.step, float(np.float32(h.step)), h.qmin, h.levels))
-    if f & FLAG_DEDUP:
-        if f & FLAG_ZSTD:
-            wide_index = u + 1 > 256
-            raw = pk.zstd_unpack(secs[pos], n * (2 if wide_index else 1), "row index")
-            tokens = torch.from_numpy(pk.from_planes(raw, n, wide_index).astype(np.int64)).to(device)
-        else:
-            tokens = pk.bitunpack(secs[pos], pk.bits_for(u + 1), n)
-        pos += 1
-        index = pk.rows_from_tokens(tokens, u)
-        values = values.index_select(0, index.long())
+        if codes.numel() and int(codes.max()) >= h.levels:
+            raise EbFormatError(f"eb: a code is outside the {h.levels} levels")
+        values, pos = dequantize(codes, grid), 1
+        if f & FLAG_DEDUP:
+            index = pk.rows_from_tokens(pk.bitunpack(secs[pos], pk.bits_for(u + 1), n), u)
+            values, pos = values.index_select(0, index), pos + 1
     if f & FLAG_EXCEPTIONS:
         e = h.exceptions
         where = _view(secs[pos], torch.int32, e, "exact-value position").long()

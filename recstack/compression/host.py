@@ -20,7 +20,6 @@ from recstack.compression.format import (
     FLAG_WIDE,
     FLAG_ZSTD,
     HEADER_SIZE,
-    QUANTIZED,
     Header,
     message_checksum_np,
 )
@@ -66,20 +65,21 @@ def dedup_rows(codes: np.ndarray, row_bits: float) -> tuple[np.ndarray, np.ndarr
     u = int(np.count_nonzero(new))
     if not pk.dedup_pays(n, u, row_bits):
         return None
-    gid = np.cumsum(new) - 1
-    inv = np.empty(n, np.int64)
-    inv[order] = gid
-    starts = np.flatnonzero(new)
-    first = order[starts]  # stable sort: the first row of each group
-    if not np.array_equal(words[first[inv]], words):
-        return None  # a hash collision: send the rows as they are
+    same = ~new[1:]  # neighbours in hash order with equal hashes must be equal rows (else: a collision)
+    for j in range(words.shape[1]):  # column by column: 1-D gathers are much cheaper than row gathers
+        col = words[:, j][order]
+        if not np.all((col[1:] == col[:-1]) | ~same):
+            return None
+    gid = np.empty(n, np.int64)
+    gid[order] = np.cumsum(new) - 1  # hash group of every row
+    first = order[new]  # stable sort: the first row of each group
     # distinct rows in order of first occurrence; token 0 = "the next new row", else 1 + its position
-    by_first = np.argsort(first, kind="stable")
-    rank = np.empty(u, np.int64)
-    rank[by_first] = np.arange(u)
-    tokens = rank[inv] + 1
-    tokens[first] = 0
-    return codes[first[by_first]], tokens
+    is_first = np.zeros(n, bool)
+    is_first[first] = True
+    rank = np.cumsum(is_first)[first] - 1  # group -> position among the distinct rows
+    tokens = rank[gid] + 1
+    tokens[is_first] = 0
+    return codes[np.flatnonzero(is_first)], tokens
 
 
 def quantize_safe(x: np.ndarray, eb_abs: float, lo: float, hi: float) -> tuple[np.ndarray, float, int, int] | None:
@@ -132,10 +132,4 @@ def encode_body(codes: np.ndarray, qmin: int, levels: int,
 
 
 def _frame(a: np.ndarray) -> np.ndarray:
-    return np.frombuffer(pk._zstd()[0].compress(np.ascontiguousarray(a)), np.uint8)
-
-
-def header_for(rows: int, cols: int, eb_abs: float, step: float, qmin: int, levels: int, flags: int, unique: int,
-               center: int) -> Header:
-    return Header(0, QUANTIZED, flags, rows, cols, 0.0, eb_abs, step, qmin, levels, unique, 0, 0, center)
-
+    return np.frombuffer(pk.zstd_contexts()[0].compress(np.ascontiguousarray(a)), np.uint8)

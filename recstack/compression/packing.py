@@ -31,7 +31,7 @@ if sys.byteorder != "little":  # bit packing reads int64 words as bytes
     raise ImportError("recstack.compression needs a little-endian machine")
 
 
-def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+def zstd_contexts() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
     if not hasattr(_local, "zc"):  # contexts are not thread-safe: one pair per thread
         _local.zc = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
         _local.zd = zstandard.ZstdDecompressor()
@@ -40,7 +40,7 @@ def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
 
 def zstd_pack(a: np.ndarray) -> torch.Tensor:
     """Any contiguous numpy array -> zstd frame as uint8 tensor [bytes] (CPU)."""
-    frame = _zstd()[0].compress(np.ascontiguousarray(a))
+    frame = zstd_contexts()[0].compress(np.ascontiguousarray(a))
     return torch.frombuffer(bytearray(frame), dtype=torch.uint8) if frame else torch.zeros(0, dtype=torch.uint8)
 
 
@@ -53,7 +53,7 @@ def zstd_unpack(section: torch.Tensor, nbytes: int, what: str, limit: int = 0) -
         cap = nbytes if nbytes >= 0 else limit
         if size < 0 or size > cap or (nbytes >= 0 and size != nbytes):
             raise EbFormatError(f"eb: {what} stream declares {size} bytes, expected {nbytes if nbytes >= 0 else cap}")
-        out = _zstd()[1].decompress(data, max_output_size=max(cap, 1))
+        out = zstd_contexts()[1].decompress(data, max_output_size=max(cap, 1))
     except zstandard.ZstdError as e:
         raise EbFormatError(f"eb: {what} stream does not decompress ({e})") from e
     if len(out) != size:
@@ -119,6 +119,15 @@ def rows_from_tokens(tokens: torch.Tensor, u: int) -> torch.Tensor:
     if tokens.numel() and (int(seen[-1]) != u or bool(((tokens > seen) & ~new).any())):
         raise EbFormatError(f"eb: row tokens do not describe {u} distinct rows")
     return torch.where(new, seen - 1, tokens - 1)
+
+
+def rows_from_tokens_np(tokens: np.ndarray, u: int) -> np.ndarray:
+    """``rows_from_tokens`` for a numpy array of tokens [N] -> int64 index [N]."""
+    new = tokens == 0
+    seen = np.cumsum(new)
+    if tokens.size and (int(seen[-1]) != u or bool(((tokens > seen) & ~new).any())):
+        raise EbFormatError(f"eb: row tokens do not describe {u} distinct rows")
+    return np.where(new, seen - 1, tokens.astype(np.int64) - 1)
 
 
 # -- bit packing (device side) -----------------------------------------------------------------------------
