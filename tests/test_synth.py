@@ -51,9 +51,16 @@ def test_default_config_caps_tables() -> None:
 
 @pytest.mark.parametrize(
     "kw, field",
-    [({"rows": 0}, "rows"), ({"target_ctr": 1.0}, "target_ctr"), ({"table_sizes": (5, 0)}, "table_sizes"),
-     ({"num_verticals": 2, "vertical_ctr": (0.1,)}, "vertical_ctr"), ({"drift": -1.0}, "drift"),
-     ({"vertical_table": 9}, "vertical_table"), ({"vertical_effect_share": 2.0}, "vertical_effect_share")],
+    [
+        ({"rows": 0}, "rows"),
+        ({"target_ctr": 1.0}, "target_ctr"),
+        ({"table_sizes": (5, 0)}, "table_sizes"),
+        ({"num_verticals": 2, "vertical_ctr": (0.1,)}, "vertical_ctr"),
+        ({"drift": -1.0}, "drift"),
+        ({"vertical_table": 9}, "vertical_table"),
+        ({"vertical_effect_share": 2.0}, "vertical_effect_share"),
+        ({"table_sizes": (2**31,), "max_table_size": None}, "table_sizes"),
+    ],
 )
 def test_bad_config_names_the_field(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"SynthConfig.{field}"):
@@ -86,9 +93,15 @@ def test_shapes_dtypes_and_ranges(tmp_path: Path) -> None:
     assert ds.dense_features == [f"I{j + 1}" for j in range(5)]
     assert [s.name for s in ds.sparse_features] == [f"C{f + 1}" for f in range(len(SMALL_TABLES))]
     assert ds.table_sizes == list(SMALL_TABLES)
-    expect = {"labels": ((n,), np.float32), "dense": ((n, 5), np.float32), "sparse": ((n, 6), np.int32),
-              "probability": ((n,), np.float32), "vertical": ((n,), np.int16),
-              "timestamp": ((n,), np.int64), "example_id": ((n,), np.int64)}
+    expect = {
+        "labels": ((n,), np.float32),
+        "dense": ((n, 5), np.float32),
+        "sparse": ((n, 6), np.int32),
+        "probability": ((n,), np.float32),
+        "vertical": ((n,), np.int16),
+        "timestamp": ((n,), np.int64),
+        "example_id": ((n,), np.int64),
+    }
     for name, (shape, dtype) in expect.items():
         assert c[name].shape == shape and c[name].dtype == dtype, name
     assert ((c["sparse"] >= 0) & (c["sparse"] < np.array(SMALL_TABLES))).all()
@@ -109,7 +122,7 @@ def test_ctr_follows_target() -> None:
     for target in (0.25, 0.08):
         cfg = small_cfg(rows=40_000, target_ctr=target)
         model = ClickModel(cfg)
-        p = 1.0 / (1.0 + np.exp(-model._logit_of(model.sample(0, cfg.rows))))
+        p = 1.0 / (1.0 + np.exp(-model.logit_of_rows(model.sample(0, cfg.rows))))
         # Calibration on 4096 rows and the sampling error of 40k rows are each well under 0.005.
         assert abs(p.mean() - target) < 0.01, (target, p.mean())
         assert p.std() > 0.05  # the click model is not a constant
@@ -139,9 +152,10 @@ def test_oracle_auc_matches_recomputation(tmp_path: Path) -> None:
 def test_streaming_auc_exact_with_ties_and_many_groups() -> None:
     rng = np.random.default_rng(0)
     # Coarse values force ties; a wide range spreads them over many exponent bins and fine groups.
-    scores = (np.round(rng.random(50_000) * 200) / 200 * np.exp(-rng.integers(0, 12, 50_000))).astype(np.float32)
-    labels = (rng.random(50_000) < 0.2 + 0.6 * scores).astype(np.float32)
-    got = streaming_auc(scores, labels, block_rows=7919, group_bins=3)
+    n = 20_000
+    scores = (np.round(rng.random(n) * 200) / 200 * np.exp(-rng.integers(0, 12, n))).astype(np.float32)
+    labels = (rng.random(n) < 0.2 + 0.6 * scores).astype(np.float32)
+    got = streaming_auc(scores, labels, block_rows=7919, group_bins=16)
     assert got == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
     assert math.isnan(streaming_auc(scores, np.zeros_like(labels)))
     with pytest.raises(ValueError, match="finite"):
@@ -223,3 +237,23 @@ def test_refuses_to_overwrite(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError):
         generate(cfg, tmp_path / "d", progress=False)
     generate(cfg, tmp_path / "d", progress=False, overwrite=True)
+
+
+def test_huge_tables_need_no_memory(tmp_path: Path) -> None:
+    cfg = small_cfg(rows=2000, table_sizes=(10_000_000, 2**31 - 1, 5), max_table_size=None)
+    c = columns(generate(cfg, tmp_path / "d", progress=False))
+    assert ((c["sparse"] >= 0) & (c["sparse"] < np.array(cfg.table_sizes))).all()
+    assert c["sparse"][:, 1].max() > 2**30  # ids span the whole 31-bit range
+
+
+def test_logit_rejects_bad_input() -> None:
+    model = ClickModel(small_cfg(rows=100))
+    rows = model.sample(0, 10)
+    bad = rows.ids.copy()
+    bad[3, 2] = 1000  # table C3 has 1000 rows
+    with pytest.raises(ValueError, match="C3"):
+        model.logit(bad, rows.dense, rows.vertical, rows.time)
+    with pytest.raises(ValueError, match="dense"):
+        model.logit(rows.ids, rows.dense[:, :2], rows.vertical, rows.time)
+    with pytest.raises(ValueError, match="vertical"):
+        model.logit(rows.ids, rows.dense, np.full(10, 1), rows.time)
