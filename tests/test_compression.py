@@ -1,5 +1,6 @@
 """The error-bounded codec: the bound holds for every value, NaN/Inf are exact, messages describe themselves,
-and corrupt or truncated messages raise the codec's own error."""
+and corrupt or truncated messages raise the codec's own error. Every all-to-all codec decodes messages that
+start at any byte of a receive buffer."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from hypothesis.extra import numpy as hnp
 
 from recstack.compression import EbFormatError, decode, describe, encode, encode_with_info
 from recstack.compression import eb as eb_module
+from recstack.compression.codec import EbCodec
 from recstack.compression.format import HEADER, HEADER_SIZE, _message_checksum
-from recstack.distributed.codecs import CodecError
+from recstack.distributed.codecs import Codec, CodecError, get_codec
+from recstack.distributed.comm import decode_chunks, encode_chunks
 
 LAYOUTS = ("zstd", "bitpack")
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -232,3 +235,75 @@ def test_cuda_tensors_stay_on_the_device():
     y = decode(msg)
     assert y.is_cuda and float((y - x).abs().max()) <= 0.03 * float(x.max() - x.min())
     assert torch.equal(decode(msg.cpu()), y.cpu())  # the same bytes decode the same anywhere
+
+
+# -- messages at any byte offset of a receive buffer ----------------------------------------------------------
+def _codec(name: str) -> Codec:
+    return EbCodec(0.03, lossless="bitpack") if name == "eb-bitpack" else get_codec(name)
+
+
+OFFSET_CODECS = ("fp32", "fp16", "bf16", "fp8", "int8", "eb", "eb-bitpack")
+ODD_SHAPES = [(3, 5), (1, 7), (5, 3), (0, 4), (2, 1), (7, 9)]  # odd N * D: fp8/int8 payloads of odd size
+
+
+def _odd_chunks(name: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    chunks = [torch.randn(n, d, generator=g) for n, d in ODD_SHAPES]
+    if name.startswith("eb"):  # exact values: int32 positions and float32 values in sections of their own
+        chunks[-1][1, 2], chunks[-1][4, 0] = math.nan, -math.inf
+    return chunks
+
+
+def _at_offset(message: torch.Tensor, offset: int) -> torch.Tensor:
+    """``message`` as a slice starting at byte ``offset`` of a larger buffer (what a receive buffer holds
+    behind an odd-sized message from another rank)."""
+    buf = torch.full((offset + message.numel() + 5,), 0xA5, dtype=torch.uint8)
+    buf[offset : offset + message.numel()] = message
+    return buf[offset : offset + message.numel()]
+
+
+@pytest.mark.parametrize("name", OFFSET_CODECS)
+def test_every_codec_decodes_messages_at_any_byte_offset(name):
+    codec = _codec(name)
+    chunks = _odd_chunks(name)
+    message = encode_chunks(codec, chunks)
+    want = decode_chunks(codec, message.clone(), ODD_SHAPES)  # an aligned copy
+    for offset in range(1, 9):
+        got = decode_chunks(codec, _at_offset(message, offset), ODD_SHAPES)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == torch.float32
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    payload = codec.encode(chunks[0])
+    for offset in range(1, 5):  # a single payload, decoded on its own
+        torch.testing.assert_close(codec.decode(_at_offset(payload, offset), ODD_SHAPES[0]),
+                                   codec.decode(payload, ODD_SHAPES[0]), rtol=0, atol=0)
+
+
+def test_aligned_fp32_payloads_are_decoded_without_a_copy():
+    codec = get_codec("fp32")
+    payload = _at_offset(codec.encode(torch.randn(3, 5)), 8)
+    assert codec.decode(payload, (3, 5)).data_ptr() == payload.data_ptr()
+
+
+@pytest.mark.parametrize("name", OFFSET_CODECS)
+def test_truncated_or_corrupt_messages_at_odd_offsets_raise_codec_error(name):
+    codec = _codec(name)
+    chunks = _odd_chunks(name)
+    message = encode_chunks(codec, chunks)
+    payload = codec.encode(chunks[-1])
+    for offset in (1, 2, 3, 5):
+        with pytest.raises(CodecError):
+            decode_chunks(codec, _at_offset(message[:-1], offset), ODD_SHAPES)
+        with pytest.raises(CodecError):
+            decode_chunks(codec, _at_offset(message[:5], offset), ODD_SHAPES)  # not even a header
+        with pytest.raises(CodecError):
+            codec.decode(_at_offset(payload[:-1], offset), ODD_SHAPES[-1])
+        with pytest.raises(CodecError):
+            codec.decode(_at_offset(torch.cat([payload, payload[:3]]), offset), ODD_SHAPES[-1])
+        with pytest.raises(CodecError):
+            codec.decode(_at_offset(payload, offset), (ODD_SHAPES[-1][0] + 1, ODD_SHAPES[-1][1]))
+        if name.startswith("eb"):  # checksummed: any flipped byte is caught, wherever the message starts
+            bad = payload.clone()
+            bad[bad.numel() // 2] ^= 0x10
+            with pytest.raises(CodecError):
+                codec.decode(_at_offset(bad, offset), ODD_SHAPES[-1])

@@ -42,6 +42,7 @@ from recstack.compression.quantize import (
     finite_range,
     quantize,
 )
+from recstack.distributed.codecs import view_bytes_as
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 PAIRS_MAX_ESCAPES = 0.02  # the paired layout is used when at most this share of codes needs an escape
@@ -210,9 +211,7 @@ def _view(section: torch.Tensor, dtype: torch.dtype, count: int, what: str) -> t
     size = torch.empty(0, dtype=dtype).element_size()
     if section.numel() != count * size:
         raise EbFormatError(f"eb: {what} section of {section.numel()} bytes, expected {count * size}")
-    if section.storage_offset() % size:
-        section = section.clone()
-    return section.view(dtype)
+    return view_bytes_as(section, dtype)  # messages start at any byte of a receive buffer
 
 
 def describe(message: torch.Tensor) -> Header:

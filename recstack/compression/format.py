@@ -92,7 +92,8 @@ def checksum(data: torch.Tensor) -> int:
     """64-bit checksum of a uint8 tensor [n] (any device): word sum and position-weighted word sum.
 
     Integer sums wrap modulo 2**64 and are order independent, so CPU and GPU give the same value. The
-    tensor is read in place when it starts on a 4-byte boundary (message sections do).
+    tensor is read in place when it starts on a 4-byte boundary; a message received behind an odd-sized one
+    does not, and its words are read from a copy.
     """
     n = data.numel()
     n4 = n - n % 4

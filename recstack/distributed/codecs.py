@@ -4,6 +4,12 @@ A codec turns a float tensor chunk [N, D] into a self-contained uint8 payload an
 (fp16, bf16, fp8 e4m3 with a per-row scale, int8 row-wise with per-row scale and offset) lives here; the
 error-bounded lossy codec of ``recstack.compression`` implements the same interface. Payloads are on the
 tensor's device: nothing here copies to the host.
+
+A payload handed to ``decode`` may start at any byte: messages are concatenated behind a header of sizes,
+and the messages received from all ranks are consecutive slices of one buffer, so an odd-sized payload
+(fp8 or int8 with N * D odd, most error-bounded messages) shifts everything after it. Decoders therefore
+read multi-byte fields through ``view_bytes_as``, which views in place when the bytes are aligned and
+copies them otherwise.
 """
 
 from __future__ import annotations
@@ -29,6 +35,16 @@ class ChunkKey:
     index: int
 
 
+def view_bytes_as(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 bytes [k * itemsize] -> [k] of ``dtype``: a view when ``data`` starts on a multiple of the element
+    size, else a view of an aligned copy (on the same device; ``Tensor.view(dtype)`` refuses misaligned
+    storage offsets, and some kernels need aligned addresses). The caller checks the length."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if size > 1 and (data.storage_offset() % size or data.data_ptr() % size):
+        data = data.clone()  # a fresh allocation is aligned for every dtype
+    return data.view(dtype)
+
+
 class Codec(abc.ABC):
     name: str = ""
 
@@ -39,6 +55,11 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def decode(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """payload [bytes] uint8 -> [N, D] float32 (``shape`` is known to both sides)."""
+
+    def payload_bytes(self, shape: tuple[int, int]) -> int | None:
+        """Payload size of a chunk of ``shape`` when it does not depend on the data (both sides then know
+        every message size and the all-to-all skips the size exchange); None when it does."""
+        return None
 
     def encode_chunk(self, x: torch.Tensor, key: ChunkKey) -> torch.Tensor:
         """``encode`` for chunk ``key`` of an all-to-all; stateless codecs ignore the key."""
@@ -59,12 +80,15 @@ class CastCodec(Codec):
         self.name, self.dtype = name, dtype
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
 
+    def payload_bytes(self, shape: tuple[int, int]) -> int:
+        return shape[0] * shape[1] * self.itemsize
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.dtype).contiguous().view(-1).view(torch.uint8)
 
     def decode(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         self._check(payload, shape[0] * shape[1] * self.itemsize)
-        return payload.view(self.dtype).view(shape).to(torch.float32)
+        return view_bytes_as(payload, self.dtype).view(shape).to(torch.float32)
 
 
 class Fp8RowwiseCodec(Codec):
@@ -72,6 +96,9 @@ class Fp8RowwiseCodec(Codec):
 
     name = "fp8"
     _MAX = 448.0
+
+    def payload_bytes(self, shape: tuple[int, int]) -> int:
+        return shape[0] * (4 + shape[1])
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         amax = x.abs().amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros(x.shape[0], 1)
@@ -82,7 +109,7 @@ class Fp8RowwiseCodec(Codec):
     def decode(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         n, d = shape
         self._check(payload, n * 4 + n * d)
-        scale = payload[: n * 4].view(torch.float32).view(n, 1)
+        scale = view_bytes_as(payload[: n * 4], torch.float32).view(n, 1)
         q = payload[n * 4 :].view(torch.float8_e4m3fn).view(n, d)
         return q.to(torch.float32) * scale
 
@@ -91,6 +118,9 @@ class Int8RowwiseCodec(Codec):
     """Row-wise asymmetric int8: per row min and scale (fp32), codes uint8 in [0, 255] (FBGEMM-style)."""
 
     name = "int8"
+
+    def payload_bytes(self, shape: tuple[int, int]) -> int:
+        return shape[0] * (8 + shape[1])
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[1] == 0:
@@ -107,7 +137,7 @@ class Int8RowwiseCodec(Codec):
     def decode(self, payload: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         n, d = shape
         self._check(payload, n * 8 + n * d)
-        head = payload[: n * 8].view(torch.float32).view(n, 2)
+        head = view_bytes_as(payload[: n * 8], torch.float32).view(n, 2)
         q = payload[n * 8 :].view(n, d)
         return q.to(torch.float32) * head[:, 1:2] + head[:, 0:1]
 

@@ -1,7 +1,9 @@
 """All-to-all with variable-size messages, and the autograd-aware exchange of pooled embeddings.
 
 Every message size is exchanged first (one int64 per peer), then the payloads with ``all_to_all_single``,
-so codecs whose output size depends on the data (the error-bounded one) need no padding. Byte counts of
+so codecs whose output size depends on the data (the error-bounded one) need no padding. Where both sides
+can compute every size (the pooled exchange with a fixed-size codec: fp32/fp16/bf16/fp8/int8), the size
+exchange and the per-chunk header are skipped, and fp32 sends the float buffer itself. Byte counts of
 everything sent are accumulated in a ``CommStats`` for logging.
 """
 
@@ -42,24 +44,35 @@ class CommStats:
 
 
 def all_to_all_variable(
-    send: list[torch.Tensor], group: dist.ProcessGroup | None, stats: CommStats | None = None, phase: str = ""
+    send: list[torch.Tensor], group: dist.ProcessGroup | None, stats: CommStats | None = None, phase: str = "",
+    recv_numel: list[int] | None = None,
 ) -> list[torch.Tensor]:
-    """send[r]: 1-D tensor for rank r (any length, one dtype) -> recv[r]: what rank r sent to us."""
+    """send[r]: 1-D tensor for rank r (any length, one dtype) -> recv[r]: what rank r sent to us.
+
+    ``recv_numel`` (what each rank will send us, when the caller knows it) skips the size exchange."""
     t0 = time.perf_counter()
     dtype, device = send[0].dtype, send[0].device
-    send_sizes = torch.tensor([t.numel() for t in send], dtype=torch.int64, device=device)
-    recv_sizes = torch.empty_like(send_sizes)
-    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
-    out_splits = recv_sizes.tolist()
-    in_splits = send_sizes.tolist()
+    in_splits = [t.numel() for t in send]
+    if recv_numel is None:
+        send_sizes = torch.tensor(in_splits, dtype=torch.int64, device=device)
+        recv_sizes = torch.empty_like(send_sizes)
+        dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+        recv_numel = recv_sizes.tolist()
     flat_in = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
-    flat_out = torch.empty(sum(out_splits), dtype=dtype, device=device)
-    dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=group)
+    recv = _all_to_all_flat(flat_in, in_splits, recv_numel, group)
     if stats is not None:
         me = dist.get_rank(group)
         nbytes = (sum(in_splits) - in_splits[me]) * flat_in.element_size()  # bytes that leave this rank
         stats.add(phase, nbytes, time.perf_counter() - t0)
-    return list(torch.split(flat_out, out_splits))
+    return list(torch.split(recv, recv_numel))
+
+
+def _all_to_all_flat(flat_in: torch.Tensor, in_splits: list[int], out_splits: list[int],
+                     group: dist.ProcessGroup | None) -> torch.Tensor:
+    """One ``all_to_all_single``: flat_in [sum(in_splits)] -> [sum(out_splits)], both rank-major."""
+    flat_out = torch.empty(sum(out_splits), dtype=flat_in.dtype, device=flat_in.device)
+    dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=group)
+    return flat_out
 
 
 def encode_chunks(codec: Codec, chunks: list[torch.Tensor], keys: list[ChunkKey] | None = None) -> torch.Tensor:
@@ -125,17 +138,42 @@ class PooledExchange:
         self, flat: torch.Tensor, out_shapes: list[list[tuple[int, int]]], in_shapes: list[list[tuple[int, int]]],
         codec: Codec, phase: str,
     ) -> torch.Tensor:
+        if codec.name == "fp32":  # identity: the rank-major float buffer is the message, no copies at all
+            return self._exchange_fp32(flat, out_shapes, in_shapes, phase)
         chunks = self._split(flat, out_shapes)
         me = dist.get_rank(self.group)  # chunk keys let a codec tell tables and steps apart
-        messages = [encode_chunks(codec, c, [ChunkKey(phase, me, r, i) for i in range(len(c))])
-                    for r, c in enumerate(chunks)]
-        received = all_to_all_variable(messages, self.group, self.stats, phase)
-        decoded = [t for r, m in enumerate(received)
-                   for t in decode_chunks(codec, m, in_shapes[r], [ChunkKey(phase, r, me, i) for i in range(
-                       len(in_shapes[r]))])]
+        send_keys = [[ChunkKey(phase, me, r, i) for i in range(len(c))] for r, c in enumerate(chunks)]
+        recv_keys = [[ChunkKey(phase, r, me, i) for i in range(len(s))] for r, s in enumerate(in_shapes)]
+        recv_bytes = [[codec.payload_bytes(s) for s in per_rank] for per_rank in in_shapes]
+        if all(b is not None for per_rank in recv_bytes for b in per_rank):
+            # Fixed-size payloads: both sides know every size, so no header and no size exchange.
+            messages = [torch.cat([codec.encode_chunk(x, k) for x, k in zip(c, keys, strict=True)])
+                        if c else flat.new_zeros(0, dtype=torch.uint8)
+                        for c, keys in zip(chunks, send_keys, strict=True)]
+            received = all_to_all_variable(messages, self.group, self.stats, phase,
+                                           recv_numel=[sum(per_rank) for per_rank in recv_bytes])  # type: ignore[arg-type]
+            decoded = [codec.decode_chunk(p, s, k)
+                       for m, sizes, shapes, keys in zip(received, recv_bytes, in_shapes, recv_keys, strict=True)
+                       for p, s, k in zip(torch.split(m, sizes), shapes, keys, strict=True)]  # type: ignore[arg-type]
+        else:
+            messages = [encode_chunks(codec, c, keys) for c, keys in zip(chunks, send_keys, strict=True)]
+            received = all_to_all_variable(messages, self.group, self.stats, phase)
+            decoded = [t for r, m in enumerate(received)
+                       for t in decode_chunks(codec, m, in_shapes[r], recv_keys[r])]
         if not decoded:
             return flat.new_zeros(0)
         return torch.cat([t.reshape(-1) for t in decoded])
+
+    def _exchange_fp32(self, flat: torch.Tensor, out_shapes: list[list[tuple[int, int]]],
+                       in_shapes: list[list[tuple[int, int]]], phase: str) -> torch.Tensor:
+        t0 = time.perf_counter()
+        in_splits = [sum(n * d for n, d in per_rank) for per_rank in out_shapes]
+        out_splits = [sum(n * d for n, d in per_rank) for per_rank in in_shapes]
+        recv = _all_to_all_flat(flat.contiguous(), in_splits, out_splits, self.group)
+        if self.stats is not None:
+            me = dist.get_rank(self.group)
+            self.stats.add(phase, (sum(in_splits) - in_splits[me]) * 4, time.perf_counter() - t0)
+        return recv
 
     def __call__(self, send_flat: torch.Tensor) -> torch.Tensor:
         """send_flat: all outgoing chunks, flattened, rank-major -> all incoming chunks, flattened, rank-major."""
