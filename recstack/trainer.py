@@ -164,7 +164,7 @@ class Trainer:
         model_state = self.model.state_dict()
         if self.world > 1:  # embedding shards go through DCP, not into this replicated file
             model_state = {k: v for k, v in model_state.items() if not k.startswith("embeddings.")}
-        return {
+        state = {
             "model": model_state,
             "dense_optimizer": self.optimizer.state_dict(),
             "position": {"epoch": pos.epoch, "batch": pos.batch},
@@ -175,7 +175,16 @@ class Trainer:
             "num_dense": self.num_dense,
             "table_sizes": self.table_sizes,
             "table_names": self.train_ds.table_names,  # per feature; shared tables repeat
+            "world_size": self.world,
         }
+        if self.world == 1:  # with more ranks this state is rank 0's alone; see rank_state_dict
+            state.update(self.rank_state_dict())
+        return state
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """State that differs between ranks (error-feedback residuals of the chunks this rank sent): sharded
+        checkpoints keep it in one file per rank."""
+        return {"compression": self.compression.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing, unexpected = self.model.load_state_dict(state["model"], strict=self.world == 1)
@@ -190,6 +199,7 @@ class Trainer:
         self.samples = int(state["samples"])
         self.train_seconds = float(state["train_seconds"])
         set_rng_state(state["rng"])
+        self.compression.load_state_dict(state.get("compression"), state.get("world_size"), self.device)
 
     def _resume(self) -> None:
         if self.world > 1:
@@ -214,7 +224,8 @@ class Trainer:
         if self.world > 1:
             from recstack.distributed.checkpoint import save_sharded
 
-            return save_sharded(self.ckpt_dir, self.step, self.model.embeddings, self.state_dict(), keep)
+            return save_sharded(self.ckpt_dir, self.step, self.model.embeddings, self.state_dict(), keep,
+                                rank_state=self.rank_state_dict())
         files = getattr(self.model.embeddings, "checkpoint_files", None)  # tables streamed beside the state
         return save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), keep=keep, files=files() if files else None)
 

@@ -1,8 +1,10 @@
 """2-rank training through the Trainer with the error-bounded codec: close to fp32, far fewer bytes sent,
-per-step ratio, codec time and bounds in force in metrics.jsonl."""
+per-step ratio, codec time and bounds in force in metrics.jsonl; error-feedback residuals as checkpoint
+state."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -13,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from recstack.compression.codec import EbCodec
+from recstack.compression.runtime import CompressionRuntime
 from recstack.config import load_config
 from recstack.distributed.codecs import ChunkKey, get_codec
 
@@ -93,6 +96,60 @@ def test_error_feedback_carries_the_residual() -> None:
     one_step_error = (codec.decode(EbCodec(0.2).encode_chunk(x, key), (8, 8)) - x).abs().max()
     assert one_step_error > 0.05
     assert (total_sent - total_true).abs().max() <= 2 * one_step_error  # bounded, not 50x one step
+
+
+def _runtime(rank: int, world: int, error_feedback: bool = True) -> CompressionRuntime:
+    cfg = load_config(None, ['dist.backward_codec="eb"', f"compression.error_feedback={str(error_feedback).lower()}"])
+    runtime = CompressionRuntime(cfg, None, rank, world)
+    runtime.codecs()
+    return runtime
+
+
+def _with_residuals(rank: int, world: int) -> tuple[CompressionRuntime, dict]:
+    """A runtime whose backward codec has sent two chunks, and its state after a weights_only round trip."""
+    runtime = _runtime(rank, world)
+    codec = runtime.eb["eb_bwd"]
+    for i, shape in enumerate([(6, 5), (6, 3)]):
+        x = torch.linspace(-1, 1, shape[0] * shape[1]).reshape(shape)
+        codec.encode_chunk(x, ChunkKey("bwd_a2a", rank, 1 - rank, i))
+    buf = io.BytesIO()
+    torch.save(runtime.state_dict(), buf)
+    buf.seek(0)
+    return runtime, torch.load(buf, weights_only=True)
+
+
+def test_error_feedback_residuals_round_trip_through_the_runtime_state() -> None:
+    before, state = _with_residuals(1, 2)
+    after = _runtime(1, 2)
+    after.load_state_dict(state, saved_world=2)
+    old, new = before.eb["eb_bwd"], after.eb["eb_bwd"]
+    assert set(new.residual) == set(old.residual) == {("bwd_a2a", 0, 0), ("bwd_a2a", 0, 1)}
+    key, x = ChunkKey("bwd_a2a", 1, 0, 0), torch.randn(6, 5)
+    assert torch.equal(new.encode_chunk(x, key), old.encode_chunk(x, key))  # the next step sends the same bytes
+    assert torch.equal(new.residual[("bwd_a2a", 0, 0)], old.residual[("bwd_a2a", 0, 0)])
+
+
+@pytest.mark.parametrize(("rank", "world", "which", "saved_world", "error_feedback", "message"), [
+    (0, 4, "rank0", 2, True, "written by 2 ranks and this run has 4"),
+    (3, 4, None, 2, True, ""),  # a rank the old run did not have: rank 0 reports for every rank
+    (1, 2, "rank0", 2, True, "saved by rank 0"),
+    (0, 2, "other layout", 2, True, "sharding layout or batch size changed"),
+    (0, 2, None, None, True, "holds none for this rank"),
+    (0, 2, "rank0", 2, False, "error feedback is off"),
+])
+def test_residuals_that_cannot_be_mapped_are_dropped_with_a_message(
+        rank: int, world: int, which: str | None, saved_world: int | None, error_feedback: bool, message: str,
+        capsys: pytest.CaptureFixture) -> None:
+    state = _with_residuals(0, 2)[1] if which else None
+    if which == "other layout":
+        state["layout"] = "{}"
+    runtime = _runtime(rank, world, error_feedback)
+    if error_feedback:
+        runtime.eb["eb_bwd"].residual[("bwd_a2a", 0, 0)] = torch.ones(6, 5)  # whatever the codec held before
+    runtime.load_state_dict(state, saved_world)
+    assert runtime.eb["eb_bwd"].residual == {}
+    out = capsys.readouterr().out
+    assert (message in out and "start from zero" in out) if message else out == ""
 
 
 def test_eb_is_available_by_name_and_checks_the_shape() -> None:

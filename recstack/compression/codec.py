@@ -6,7 +6,8 @@ The exchange hands every chunk over with a ``ChunkKey`` (phase, source, destinat
 ``DualLevelBound`` gives that table's bound at the current iteration. Chunks a rank sends to itself never
 touch the network and are copied losslessly. With error feedback, the compression error of each chunk
 (destination, position) is added to the same chunk of the next step, so that quantization errors of
-gradients cancel over steps instead of accumulating in the weights.
+gradients cancel over steps instead of accumulating in the weights. The residuals are training state of the
+sending rank: ``residual_state`` / ``load_residual_state`` carry them through checkpoints.
 """
 
 from __future__ import annotations
@@ -55,6 +56,20 @@ class EbCodec(Codec):
         if table is None:
             return self.policy.default_bound(self.iteration)
         return self.policy.bound(table, self.iteration)
+
+    # -- error-feedback state ---------------------------------------------------------------------------------
+    def residual_state(self) -> dict[str, torch.Tensor]:
+        """Error-feedback residuals by chunk slot, keyed ``"<phase>/<dst>/<index>"`` (plain strings, so a
+        ``weights_only`` checkpoint load accepts them) -> residual [N, D] float32."""
+        return {f"{phase}/{dst}/{index}": r for (phase, dst, index), r in self.residual.items()}
+
+    def load_residual_state(self, state: dict[str, torch.Tensor], device: torch.device | None = None) -> None:
+        """Replace the residuals with ``state`` (from ``residual_state``), moved to ``device`` when given."""
+        residual: dict[tuple[str, int, int], torch.Tensor] = {}
+        for name, r in state.items():
+            phase, dst, index = name.rsplit("/", 2)
+            residual[(phase, int(dst), int(index))] = r.to(device) if device is not None else r
+        self.residual = residual
 
     def _count(self, name: str, value: float) -> None:
         self._counters[name] = self._counters.get(name, 0.0) + value

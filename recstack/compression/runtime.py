@@ -9,6 +9,8 @@ Usage (``recstack.trainer``)::
     comp.attach(model)                  # chunk -> table map, compression.json, --dump-a2a hook
     comp.begin_step(iteration)          # before each training step
     values.update(comp.metrics(steps))  # at each log line
+    state["compression"] = comp.state_dict()  # checkpoints: this rank's error-feedback residuals
+    comp.load_state_dict(state.get("compression"), saved_world)  # on resume
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class CompressionRuntime:
         self.cfg, self.dist = cfg.compression, cfg.dist
         self.output_dir = Path(output_dir) if output_dir else None
         self.rank, self.world = rank, world
+        self.batch_size = cfg.train.batch_size
+        self.layout: str | None = None  # which chunk each residual slot holds (set by ``attach``)
         self.eb: dict[str, EbCodec] = {}  # metric prefix -> codec
         self.policies: dict[str, DualLevelBound] = {}
         self.recorder: PayloadRecorder | None = None
@@ -69,6 +73,9 @@ class CompressionRuntime:
         emb = model.embeddings
         tables = [(t.name, t.num_embeddings) for t in emb.tables]
         table_of = chunk_table_map(emb) if hasattr(emb, "pairs") else None
+        if hasattr(emb, "pairs"):  # residual slot (phase, dst, i) holds pair i of owner dst, [batch rows, dim]
+            pairs = [[(f, s.table, s.row0, s.row1, s.col0, s.col1) for f, s in per_rank] for per_rank in emb.pairs]
+            self.layout = json.dumps({"batch_size": self.batch_size, "pairs": pairs})
         for prefix, codec in self.eb.items():
             scale = self.cfg.backward_scale if prefix == "eb_bwd" else 1.0
             policy = DualLevelBound(self.cfg, tables, scale)
@@ -106,3 +113,46 @@ class CompressionRuntime:
         for prefix, codec in self.eb.items():
             out.update(codec.pop_metrics(prefix, steps))
         return out
+
+    # -- checkpoint state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's error-feedback residuals (``{prefix: {slot: [N, D] tensor}}``) and what they belong to:
+        rank, world size and chunk layout. Rank-local: every rank saves its own."""
+        residual = {prefix: codec.residual_state() for prefix, codec in self.eb.items() if codec.error_feedback}
+        return {"rank": self.rank, "world_size": self.world, "layout": self.layout, "residual": residual}
+
+    def load_state_dict(self, state: dict[str, Any] | None, saved_world: int | None = None,
+                        device: torch.device | None = None) -> None:
+        """Restore the residuals of ``state_dict`` (``saved_world``: the world size the checkpoint was written
+        with, when known). Residuals are the compression errors of the chunks this rank sent; under another
+        world size, rank or layout the same slot names another chunk (or none), so they are dropped with a
+        message and error feedback starts again from zero, as at the start of a run."""
+        codecs = {prefix: codec for prefix, codec in self.eb.items() if codec.error_feedback}
+        for codec in codecs.values():
+            codec.residual = {}
+        saved = (state or {}).get("residual", {})
+        if saved_world is None and state is not None:
+            saved_world = state.get("world_size")
+        if not codecs:
+            if any(saved.values()):
+                self._dropped("error feedback is off in this run")
+            return
+        if saved_world is not None and saved_world != self.world:
+            if self.rank == 0:  # the same on every rank: say it once
+                self._dropped(f"the checkpoint was written by {saved_world} ranks and this run has {self.world}; "
+                              "residuals belong to the chunks each rank sent and cannot be mapped to another "
+                              "world size", every_rank=True)
+            return
+        if state is None:
+            self._dropped("the checkpoint holds none for this rank (written before residuals were saved)")
+        elif state["rank"] != self.rank:
+            self._dropped(f"the residuals found were saved by rank {state['rank']}")
+        elif state.get("layout") != self.layout:
+            self._dropped("the sharding layout or batch size changed, so the saved slots hold other chunks")
+        else:
+            for prefix, codec in codecs.items():
+                codec.load_residual_state(saved.get(prefix, {}), device)
+
+    def _dropped(self, reason: str, every_rank: bool = False) -> None:
+        who = "every rank" if every_rank else f"rank {self.rank}"
+        print(f"resume: error-feedback residuals of {who} start from zero: {reason}", flush=True)

@@ -5,7 +5,9 @@ A checkpoint is a directory ``checkpoints/step_<step>/``:
     ``emb/<table>/<weight|accumulator>/r<row0>-<row1>/c<col0>-<col1>`` (replicated tables are one full-table
     rectangle that every rank offers; DCP writes it once);
   - ``trainer.pt`` (rank 0): the dense model, dense optimizer, data position, RNG and config, which DDP keeps
-    identical on every rank.
+    identical on every rank;
+  - ``rank_<rank>.pt`` (every rank): state that differs between ranks, such as the error-feedback residuals
+    of the chunks the rank sent. It only fits the world size that wrote it; the trainer drops it otherwise.
 It is written into ``step_<step>.tmp`` and renamed by rank 0 after every rank has finished, so a crash leaves
 no directory that looks complete. On load each rank computes the rectangles of its new shards, reads the
 saved rectangles that overlap them (whatever layout wrote them) and copies the overlaps: resharding.
@@ -109,9 +111,21 @@ def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path) -> None:
             target /= widths.clamp_min(1)
 
 
+def rank_file(path: Path, rank: int) -> Path:
+    return path / f"rank_{rank:05d}.pt"
+
+
+def _write(path: Path, state: dict[str, Any]) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_sharded(directory: Path, step: int, coll: ShardedEmbeddingCollection, trainer_state: dict[str, Any],
-                 keep: int = 0) -> Path:
-    """Collective. Returns the final checkpoint directory."""
+                 keep: int = 0, rank_state: dict[str, Any] | None = None) -> Path:
+    """Collective. ``trainer_state``: rank 0's (replicated) state; ``rank_state``: this rank's own, written
+    to ``rank_<rank>.pt``. Returns the final checkpoint directory."""
     final = directory / f"step_{step:09d}"
     tmp = directory / f"step_{step:09d}.tmp"
     if dist.get_rank() == 0:
@@ -119,11 +133,10 @@ def save_sharded(directory: Path, step: int, coll: ShardedEmbeddingCollection, t
         tmp.mkdir(parents=True)
     dist.barrier()
     dcp.save(embedding_state(coll), checkpoint_id=str(tmp))
+    if rank_state is not None:  # inside the .tmp directory, so it appears with the rest or not at all
+        _write(rank_file(tmp, dist.get_rank()), rank_state)
     if dist.get_rank() == 0:
-        with open(tmp / "trainer.pt", "wb") as f:
-            torch.save({**trainer_state, "step": step, "complete": True}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write(tmp / "trainer.pt", {**trainer_state, "step": step, "complete": True})
     dist.barrier()
     if dist.get_rank() == 0:
         if final.exists():
@@ -145,9 +158,13 @@ def list_sharded(directory: Path) -> list[Path]:
 
 
 def load_sharded(path: Path, coll: ShardedEmbeddingCollection, map_location: torch.device) -> dict[str, Any]:
-    """Collective. Loads the embedding shards in place; returns the trainer state (dense model etc.)."""
+    """Collective. Loads the embedding shards in place; returns the trainer state (dense model etc.) updated
+    with this rank's ``rank_<rank>.pt`` when there is one (a rank beyond the saving world size has none)."""
     state = torch.load(path / "trainer.pt", map_location=map_location, weights_only=True)
     if state.get("complete") is not True:
         raise RuntimeError(f"{path}: incomplete checkpoint")
+    mine = rank_file(path, dist.get_rank())
+    if mine.is_file():
+        state.update(torch.load(mine, map_location=map_location, weights_only=True))
     load_embedding_state(coll, path)
     return state
