@@ -154,7 +154,9 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def _fill(obj: Any, values: dict[str, Any], where: str) -> None:
+def fill(obj: Any, values: dict[str, Any], where: str) -> None:
+    """Set the fields of dataclass ``obj`` (nested dataclasses recursively) from ``values``, checking every key
+    and type; errors name ``where`` and the key (``config.toml.model.embedding_dim: expected int ...``)."""
     hints = typing.get_type_hints(type(obj))
     names = {f.name for f in dataclasses.fields(obj)}
     for key, value in values.items():
@@ -164,7 +166,7 @@ def _fill(obj: Any, values: dict[str, Any], where: str) -> None:
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}.{key}: expected a table")
-            _fill(current, value, f"{where}.{key}")
+            fill(current, value, f"{where}.{key}")
         else:
             setattr(obj, key, _check_type(value, hints[key], f"{where}.{key}"))
 
@@ -182,9 +184,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file, then each ``section.key=value`` override in order."""
-    cfg = Config()
+def load_into(cfg: Any, path: str | Path | None, overrides: list[str] | None) -> Any:
+    """Fill the config dataclass ``cfg`` from the TOML file at ``path``, then from each ``section.key=value``
+    override in order; returns ``cfg``. An override that reaches into a free-form table (a ``dict`` field such
+    as ``data.synth``) sets that one key and keeps the table's others."""
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -193,20 +196,46 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             values = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: invalid TOML: {e}") from e
-        _fill(cfg, values, str(p))
+        fill(cfg, values, str(p))
     for text in overrides or []:
         keys, value = parse_override(text)
-        nested: dict[str, Any] = {keys[-1]: value}
-        for k in reversed(keys[:-1]):
-            nested = {k: nested}
-        _fill(cfg, nested, f"--set {text}")
+        if not _set_in_table(cfg, keys, value, text):
+            nested: dict[str, Any] = {keys[-1]: value}
+            for k in reversed(keys[:-1]):
+                nested = {k: nested}
+            fill(cfg, nested, f"--set {text}")
+    return cfg
+
+
+def _set_in_table(cfg: Any, keys: list[str], value: Any, text: str) -> bool:
+    """Apply an override whose path runs through a ``dict`` field; False when it does not."""
+    obj = cfg
+    for i, k in enumerate(keys[:-1]):
+        if not dataclasses.is_dataclass(obj) or not hasattr(obj, k):
+            return False
+        current = getattr(obj, k)
+        if isinstance(current, dict):
+            table = current
+            for sub in keys[i + 1 : -1]:
+                table = table.setdefault(sub, {})
+                if not isinstance(table, dict):
+                    raise ConfigError(f"--set {text}: {sub!r} is not a table")
+            table[keys[-1]] = value
+            return True
+        obj = current
+    return False
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file, then each ``section.key=value`` override in order."""
+    cfg = load_into(Config(), path, overrides)
     validate(cfg)
     return cfg
 
 
 def config_from_dict(values: dict[str, Any]) -> Config:
     cfg = Config()
-    _fill(cfg, values, "config")
+    fill(cfg, values, "config")
     validate(cfg)
     return cfg
 

@@ -128,6 +128,16 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     assert cfg.optim.dense_lr == 1.0 and cfg.train.device == "cpu"
 
 
+def test_override_sets_one_key_of_a_table() -> None:
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
+    base = load_config(demo).data.synth
+    cfg = load_config(demo, ["data.synth.rows=1000"])
+    assert cfg.data.synth == {**base, "rows": 1000}  # the table's other keys stay
+    assert load_config(demo, ["data.synth={rows=7}"]).data.synth == {"rows": 7}  # a whole table replaces it
+    with pytest.raises(ConfigError, match="unknown key 'synthx'"):
+        load_config(demo, ["data.synthx.rows=1"])
+
+
 def test_configs_in_repo_load() -> None:
     for path in Path(__file__).resolve().parents[1].joinpath("configs").glob("*.toml"):
         if not path.name.startswith("exfm_"):  # `recstack exfm run` configs have their own schema

@@ -69,7 +69,7 @@ def wrap_ddp(model: DLRM, device: torch.device, stats: CommStats | None = None) 
     With ``stats``, each gradient bucket's all-reduce is timed (launch to completion; it overlaps backward)."""
     ignore = [f"embeddings.{name}" for name, _ in model.embeddings.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
     if stats is not None:
         ddp.register_comm_hook(stats, _timed_allreduce)
     return ddp

@@ -8,12 +8,11 @@ Unknown keys and wrong types are errors naming the file and the key, as for ``re
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recstack.config import Config, ConfigError, ModelConfig, OptimConfig, TrainConfig, _fill, parse_override
+from recstack.config import Config, ConfigError, ModelConfig, OptimConfig, TrainConfig, fill, load_into
 from recstack.config import validate as validate_model
 
 ARMS = ("alone", "distill", "aux", "aux_sa")
@@ -162,34 +161,13 @@ def validate(cfg: ExfmConfig) -> None:
 def load_exfm_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExfmConfig:
     """Defaults, then the TOML file, then each ``section.key=value`` override (as ``recstack train --set``);
     ``data.synth.KEY=...`` and ``data.movielens.KEY=...`` set one key of those tables."""
-    cfg = ExfmConfig()
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} not found")
-        try:
-            values = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{p}: invalid TOML: {err}") from err
-        _fill(cfg, values, str(p))
-    for text in overrides or []:
-        keys, value = parse_override(text)
-        if len(keys) > 2 and keys[0] == "data" and keys[1] in ("synth", "movielens"):
-            table = getattr(cfg.data, keys[1])  # a free-form table: set one key, keep the others
-            for k in keys[2:-1]:
-                table = table.setdefault(k, {})
-            table[keys[-1]] = value
-            continue
-        nested: dict[str, Any] = {keys[-1]: value}
-        for k in reversed(keys[:-1]):
-            nested = {k: nested}
-        _fill(cfg, nested, f"--set {text}")
+    cfg = load_into(ExfmConfig(), path, overrides)
     validate(cfg)
     return cfg
 
 
 def exfm_config_from_dict(values: dict[str, Any]) -> ExfmConfig:
     cfg = ExfmConfig()
-    _fill(cfg, values, "config")
+    fill(cfg, values, "config")
     validate(cfg)
     return cfg

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recstack.config import _fill
+from recstack.config import fill
 from recstack.data.batch import Batch
 from recstack.data.format import PreparedDataset
 from recstack.exfm.config import StreamConfig
@@ -58,7 +58,7 @@ class DasJob:
     @staticmethod
     def load(path: Path) -> DasJob:
         job = DasJob()
-        _fill(job, json.loads(Path(path).read_text()), str(path))
+        fill(job, json.loads(Path(path).read_text()), str(path))
         return job
 
 

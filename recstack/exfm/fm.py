@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from recstack.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from recstack.config import _fill
+from recstack.config import fill
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
 from recstack.exfm.config import NetSpec
@@ -66,7 +66,7 @@ def load_snapshot(snap_dir: Path, version: int, device: torch.device | str = "cp
     """Snapshot ``version`` as an eval-mode model (and its spec)."""
     state = load_checkpoint(snapshot_file(snap_dir, version), device)
     spec = NetSpec()
-    _fill(spec, json.loads(state["spec_json"]), f"{snapshot_file(snap_dir, version)}: spec")
+    fill(spec, json.loads(state["spec_json"]), f"{snapshot_file(snap_dir, version)}: spec")
     sizes = capped_table_sizes(list(state["table_sizes"]), spec.model.max_table_size)
     model = build_model(spec.as_config(0), int(state["num_dense"]), sizes, device, list(state["table_names"]))
     model.load_state_dict(state["model"])

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from recstack.checkpoint import latest_checkpoint
-from recstack.config import _fill
+from recstack.config import fill
 from recstack.data.format import PreparedDataset
 from recstack.exfm.config import DistillConfig, NetSpec, StreamConfig
 from recstack.exfm.fm import build_net, table_caps
@@ -63,7 +63,7 @@ class VMJob:
     @staticmethod
     def from_dict(values: dict[str, Any]) -> VMJob:
         job = VMJob()
-        _fill(job, values, "VMJob")
+        fill(job, values, "VMJob")
         return job
 
 
