@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from recstack.distributed.codecs import ChunkKey, Codec, get_codec
+from recstack.distributed.codecs import CastCodec, ChunkKey, Codec, get_codec
 
 
 @dataclass
@@ -59,19 +59,19 @@ def all_to_all_variable(
         dist.all_to_all_single(recv_sizes, send_sizes, group=group)
         recv_numel = recv_sizes.tolist()
     flat_in = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
-    recv = _all_to_all_flat(flat_in, in_splits, recv_numel, group)
-    if stats is not None:
-        me = dist.get_rank(group)
-        nbytes = (sum(in_splits) - in_splits[me]) * flat_in.element_size()  # bytes that leave this rank
-        stats.add(phase, nbytes, time.perf_counter() - t0)
+    recv = _all_to_all_flat(flat_in, in_splits, recv_numel, group, stats, phase, t0)
     return list(torch.split(recv, recv_numel))
 
 
 def _all_to_all_flat(flat_in: torch.Tensor, in_splits: list[int], out_splits: list[int],
-                     group: dist.ProcessGroup | None) -> torch.Tensor:
-    """One ``all_to_all_single``: flat_in [sum(in_splits)] -> [sum(out_splits)], both rank-major."""
+                     group: dist.ProcessGroup | None, stats: CommStats | None, phase: str, t0: float) -> torch.Tensor:
+    """One ``all_to_all_single``: flat_in [sum(in_splits)] -> [sum(out_splits)], both rank-major. Counts the
+    bytes that leave this rank and the seconds since ``t0`` under ``phase``."""
     flat_out = torch.empty(sum(out_splits), dtype=flat_in.dtype, device=flat_in.device)
     dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=group)
+    if stats is not None:
+        me = dist.get_rank(group)
+        stats.add(phase, (sum(in_splits) - in_splits[me]) * flat_in.element_size(), time.perf_counter() - t0)
     return flat_out
 
 
@@ -138,8 +138,9 @@ class PooledExchange:
         self, flat: torch.Tensor, out_shapes: list[list[tuple[int, int]]], in_shapes: list[list[tuple[int, int]]],
         codec: Codec, phase: str,
     ) -> torch.Tensor:
-        if codec.name == "fp32":  # identity: the rank-major float buffer is the message, no copies at all
-            return self._exchange_fp32(flat, out_shapes, in_shapes, phase)
+        if isinstance(codec, CastCodec) and codec.dtype == flat.dtype == torch.float32:  # identity: the buffer
+            # is the message (decoders return float32, so only a float32 buffer passes through unchanged)
+            return self._exchange_uncoded(flat, out_shapes, in_shapes, phase)
         chunks = self._split(flat, out_shapes)
         me = dist.get_rank(self.group)  # chunk keys let a codec tell tables and steps apart
         send_keys = [[ChunkKey(phase, me, r, i) for i in range(len(c))] for r, c in enumerate(chunks)]
@@ -164,16 +165,13 @@ class PooledExchange:
             return flat.new_zeros(0)
         return torch.cat([t.reshape(-1) for t in decoded])
 
-    def _exchange_fp32(self, flat: torch.Tensor, out_shapes: list[list[tuple[int, int]]],
-                       in_shapes: list[list[tuple[int, int]]], phase: str) -> torch.Tensor:
+    def _exchange_uncoded(self, flat: torch.Tensor, out_shapes: list[list[tuple[int, int]]],
+                          in_shapes: list[list[tuple[int, int]]], phase: str) -> torch.Tensor:
+        """The rank-major float32 buffer sent as it is: no encode, copy or decode."""
         t0 = time.perf_counter()
         in_splits = [sum(n * d for n, d in per_rank) for per_rank in out_shapes]
         out_splits = [sum(n * d for n, d in per_rank) for per_rank in in_shapes]
-        recv = _all_to_all_flat(flat.contiguous(), in_splits, out_splits, self.group)
-        if self.stats is not None:
-            me = dist.get_rank(self.group)
-            self.stats.add(phase, (sum(in_splits) - in_splits[me]) * 4, time.perf_counter() - t0)
-        return recv
+        return _all_to_all_flat(flat.contiguous(), in_splits, out_splits, self.group, self.stats, phase, t0)
 
     def __call__(self, send_flat: torch.Tensor) -> torch.Tensor:
         """send_flat: all outgoing chunks, flattened, rank-major -> all incoming chunks, flattened, rank-major."""
