@@ -109,6 +109,17 @@ def test_adapter_starts_as_identity_and_alpha_clips_the_target() -> None:
     assert bool((3.0 * p > 1.0).any())  # the clip is exercised
 
 
+def test_sa_fm_weight_sets_the_raw_fm_target_of_the_adapter_arm_only() -> None:
+    batch = _batch()
+    aux = _vm("aux", weight=2.0, sa_fm_weight=0.5).losses(batch)["distill"]
+    with_sa = _vm("aux_sa", weight=2.0, sa_fm_weight=0.5).losses(batch)["distill"]
+    default = _vm("aux_sa", weight=2.0).losses(batch)["distill"]
+    # same body seed and head: only the weight differs
+    torch.testing.assert_close(aux, default)
+    torch.testing.assert_close(with_sa, 0.25 * default)
+    assert float(_vm("aux_sa", weight=2.0, sa_fm_weight=0.0).losses(batch)["distill"]) == 0.0
+
+
 def test_distillation_arms_need_fm_labels() -> None:
     batch = _batch()
     del batch.extras[FM_LOGIT]

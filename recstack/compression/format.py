@@ -4,7 +4,7 @@ Layout (all little-endian)::
 
     offset  size  field
     0       4     magic b"RSEB"
-    4       1     format version (1)
+    4       1     format version (2; version 1 paired codes by zigzag, not by offset)
     5       1     original dtype code (1 float32, 2 float16, 3 bfloat16)
     6       1     body kind (0 raw: lossless copy of the values, 1 quantized)
     7       1     flags (see FLAG_*)
@@ -38,7 +38,7 @@ import torch
 from recstack.distributed.codecs import CodecError
 
 MAGIC = b"RSEB"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<4sBBBBIIdddiIIIII")  # everything before the checksum
 HEADER_SIZE = HEADER.size + 8  # + uint64 checksum
 assert HEADER_SIZE == 72
@@ -193,8 +193,10 @@ def parse(message: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
     for i in range(h.sections):
         if pos + 4 > n:
             raise EbFormatError(f"eb: section {i} length runs past the end of a {n}-byte message")
-        raw = buf[pos : pos + 4].tobytes() if on_host else bytes(message[pos : pos + 4].cpu().numpy())
-        length = struct.unpack("<i", raw)[0]
+        if on_host:
+            length = struct.unpack_from("<i", buf, pos)[0]
+        else:
+            length = struct.unpack("<i", bytes(message[pos : pos + 4].cpu().numpy()))[0]
         pos += 4
         if length < 0 or pos + length > n:
             raise EbFormatError(f"eb: section {i} of {length} bytes runs past the end of a {n}-byte message")

@@ -79,6 +79,11 @@ class DistillConfig:
     sa_hidden: list[int] = field(default_factory=lambda: [16])
     sa_lr_scale: float = 1.0
     sa_target: str = "distill"  # the head that fits the adapter's output: distill | serving
+    sa_fm_weight: float = -1.0  # the raw FM target's weight in the aux_sa arm; < 0: ``weight``
+
+    def fm_weight(self, arm: str) -> float:
+        """Weight of h(., min(alpha y_F, 1)) for ``arm``: ``sa_fm_weight`` (when >= 0) with the adapter."""
+        return self.sa_fm_weight if arm == "aux_sa" and self.sa_fm_weight >= 0 else self.weight
 
 
 @dataclass

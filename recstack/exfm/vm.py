@@ -118,7 +118,7 @@ class VerticalModel(nn.Module):
         c = self.cfg
         fm_target = torch.clamp(c.alpha * torch.sigmoid(self.fm_logit(batch)), max=1.0)
         head = out["distill"] if self.distill_head is not None else out["serving"]
-        terms["distill"] = c.weight * F.binary_cross_entropy_with_logits(head, fm_target)
+        terms["distill"] = c.fm_weight(self.arm) * F.binary_cross_entropy_with_logits(head, fm_target)
         if self.adapter is not None:
             terms["adapter"] = F.binary_cross_entropy_with_logits(out["adapter"], y)
             sa_target = torch.sigmoid(out["adapter"]).detach()
