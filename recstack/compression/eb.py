@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from recstack.compression import host
+from recstack.compression import host, native
 from recstack.compression import packing as pk
 from recstack.compression.format import (
     DTYPE_CODES,
@@ -119,8 +119,8 @@ def _encode_host(x32: torch.Tensor, bound: float, eb_abs: float, lo: float, hi: 
     r = host.quantize_safe(x32.numpy(), eb_abs, lo, hi)
     if r is None:
         return None
-    codes, step, qmin, levels = r
-    body_flags, unique, center, sections, layout = host.encode_body(codes, qmin, levels, PAIRS_MAX_ESCAPES)
+    codes, step, qmin, levels, counts = r
+    body_flags, unique, center, sections, layout = host.encode_body(codes, qmin, levels, PAIRS_MAX_ESCAPES, counts)
     n, d = x32.shape
     size = HEADER_SIZE + sum(4 + s.nbytes for s in sections)
     if size >= HEADER_SIZE + 4 + n * d * 4:
@@ -159,8 +159,7 @@ def _quantized_body(qz, n: int, d: int, use_zstd: bool) -> tuple[Header, list[to
         c = codes.cpu().numpy()
         layout = "bytes"
         if 1 < g.levels <= 128 and escapes <= PAIRS_MAX_ESCAPES:
-            packed, escaped = pk.pair_encode(c, center)
-            sections += [pk.zstd_pack(packed), pk.zstd_pack(escaped)]
+            sections.append(pk.zstd_pack(np.concatenate(pk.pair_encode(c, center))))
             flags |= FLAG_PAIRS
             layout = "pairs"
         else:
@@ -186,22 +185,30 @@ def _quantized_body(qz, n: int, d: int, use_zstd: bool) -> tuple[Header, list[to
 def _decode_zstd(h: Header, secs: list[torch.Tensor], u: int, d: int, wide: bool) -> tuple[torch.Tensor, int]:
     """The zstd layouts, decoded on the host with numpy -> (values [N, D] float32 on the CPU, next section)."""
     n = h.rows
+    step32 = np.float32(h.step)  # the same float32 arithmetic as ``dequantize``
     if h.flags & FLAG_PAIRS:
-        packed = pk.zstd_unpack(secs[0], -(-u * d // 2), "code")
-        escaped = pk.zstd_unpack(secs[1], -1, "escape", limit=u * d)
-        c, pos = pk.pair_decode(packed, escaped, u * d, h.center), 2
+        half = -(-u * d // 2)
+        stream = pk.zstd_unpack(secs[0], -1, "code", limit=half + u * d)  # nibbles, then escaped codes
+        if stream.size < half:
+            raise EbFormatError(f"eb: code stream of {stream.size} bytes, expected at least {half}")
+        values = native.pair_dequantize(stream[:half], stream[half:], u * d, h.center, h.qmin, step32, h.levels)
+        pos = 1
     else:
         c, pos = pk.from_planes(pk.zstd_unpack(secs[0], u * d * (2 if wide else 1), "code"), u * d, wide), 1
-    if c.size and int(c.max()) >= h.levels:
-        raise EbFormatError(f"eb: a code is outside the {h.levels} levels")
-    values = c.astype(np.float32).reshape(u, d)  # the same float32 arithmetic as ``dequantize``
-    if h.qmin:
-        values += np.float32(h.qmin)
-    values *= np.float32(h.step)
+        if wide:
+            if c.size and int(c.max()) >= h.levels:
+                raise EbFormatError(f"eb: a code is outside the {h.levels} levels")
+            values = c.astype(np.float32)
+            if h.qmin:
+                values += np.float32(h.qmin)
+            values *= step32
+        else:
+            values = native.dequantize_u8(c, h.qmin, step32, h.levels)
+    values = values.reshape(u, d)
     if h.flags & FLAG_DEDUP:
         wide_index = u + 1 > 256
         raw = pk.zstd_unpack(secs[pos], n * (2 if wide_index else 1), "row index")
-        values = values[pk.rows_from_tokens_np(pk.from_planes(raw, n, wide_index), u)]
+        values = native.expand_rows(values, raw, n, wide_index)
         pos += 1
     return torch.from_numpy(values), pos
 
@@ -229,7 +236,7 @@ def decode(message: torch.Tensor) -> torch.Tensor:
             raise EbFormatError(f"eb: a lossless copy has flags {h.flags:#x} and {len(secs)} sections")
         return _view(secs[0], torch.float32, n * d, "values").view(n, d).clone()
     f = h.flags
-    want = 1 + bool(f & FLAG_PAIRS) + bool(f & FLAG_DEDUP) + 2 * bool(f & FLAG_EXCEPTIONS)
+    want = 1 + bool(f & FLAG_DEDUP) + 2 * bool(f & FLAG_EXCEPTIONS)
     if len(secs) != want:
         raise EbFormatError(f"eb: flags {f:#x} need {want} sections, the message has {len(secs)}")
     if not (1 <= h.levels <= MAX_LEVELS and bool(f & FLAG_WIDE) == (h.levels > 256)

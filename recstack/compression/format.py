@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from recstack.compression import native
 from recstack.distributed.codecs import CodecError
 
 MAGIC = b"RSEB"
@@ -110,19 +111,11 @@ def checksum(data: torch.Tensor) -> int:
     return mixed ^ (mixed >> 29)
 
 
-_POS = np.zeros(0, np.uint64)
-
-
 def checksum_np(body: np.ndarray) -> int:
     """``checksum`` of a uint8 numpy array: the same value, computed on the host with less overhead."""
-    global _POS
     n = body.size
     n4 = n - n % 4
-    words = (body[:n4] if body.ctypes.data % 4 == 0 else body[:n4].copy()).view(np.uint32).astype(np.uint64)
-    if words.size > _POS.size:
-        _POS = np.arange(1, max(words.size, 1 << 16) * 2 + 1, dtype=np.uint64)
-    s1 = int(words.sum(dtype=np.uint64)) if words.size else 0
-    s2 = int(np.dot(words, _POS[: words.size])) if words.size else 0  # uint64 arithmetic wraps like int64
+    s1, s2 = native.word_sums(body)
     tail = int.from_bytes(body[n4:].tobytes(), "little") if n4 < n else 0
     mixed = (s1 + (tail << 7) + n + s2 * _MIX) & _MASK64
     return mixed ^ (mixed >> 29)

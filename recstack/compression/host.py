@@ -13,6 +13,7 @@ import struct
 
 import numpy as np
 
+from recstack.compression import native
 from recstack.compression import packing as pk
 from recstack.compression.format import (
     FLAG_DEDUP,
@@ -51,6 +52,10 @@ def dedup_rows(codes: np.ndarray, row_bits: float) -> tuple[np.ndarray, np.ndarr
     n, d = codes.shape
     if n < 2 or d == 0:
         return None
+    exact = native.dedup_rows(codes)
+    if exact is not None:
+        first, tokens, u = exact
+        return (codes[first], tokens) if pk.dedup_pays(n, u, row_bits) else None
     rows = codes.view(np.uint8).reshape(n, -1)
     pad = (-rows.shape[1]) % 8
     if pad:
@@ -89,44 +94,51 @@ def dedup_rows(codes: np.ndarray, row_bits: float) -> tuple[np.ndarray, np.ndarr
     return codes[np.flatnonzero(is_first)], tokens
 
 
-def quantize_safe(x: np.ndarray, eb_abs: float, lo: float, hi: float) -> tuple[np.ndarray, float, int, int] | None:
-    """Finite x whose grid needs no value check (see quantize.SAFE_RATIO) -> (codes, step, qmin, levels), or None
-    when the tensor path has to handle it (checks, exact values, constants)."""
+def quantize_safe(x: np.ndarray, eb_abs: float, lo: float, hi: float
+                  ) -> tuple[np.ndarray, float, int, int, np.ndarray | None] | None:
+    """Finite x whose grid needs no value check (see quantize.SAFE_RATIO) -> (codes, step, qmin, levels, the
+    code counts of ``code_profile``'s sample or None above 256 levels), or None when the tensor path has to
+    handle it (checks, exact values, constants)."""
     if not (eb_abs > 0 and math.isfinite(eb_abs)) or max(abs(lo), abs(hi)) > SAFE_RATIO * eb_abs:
         return None
     step = 2.0 * eb_abs * TIGHTEN
     if step > FLOAT32_MAX:
         return None
-    step32 = np.float32(step)
-    if not (math.isfinite(step32) and is_safe(lo, hi, eb_abs, float(step32))):
+    step32 = float(np.float32(step))
+    if not (math.isfinite(step32) and is_safe(lo, hi, eb_abs, step32)):
         return None
-    inv32 = np.float32(1.0) / step32
-    qmin = float(np.rint(np.float32(lo) * inv32))  # rint(x * inv) is monotone: the extremes give the range
-    qmax = float(np.rint(np.float32(hi) * inv32))
-    levels = int(qmax - qmin) + 1
+    inv32, qmin, qmax = native.grid(lo, hi, step32)  # rint(x * inv) is monotone: the extremes bound the codes
+    levels = qmax - qmin + 1
     if max(abs(qmin), abs(qmax)) >= MAX_INDEX or levels > MAX_LEVELS or levels < 2:
         return None
+    if levels <= 256:
+        codes, counts = native.quantize_u8(x, inv32, qmin, qmax)
+        return codes, step, qmin, levels, counts
     q = np.multiply(x, inv32)
     np.rint(q, out=q)
     q -= np.float32(qmin)
-    codes = q.astype(np.uint8) if levels <= 256 else q.astype(np.int32)
-    return codes, step, int(qmin), levels
+    return q.astype(np.int32), step, qmin, levels, None
 
 
-def encode_body(codes: np.ndarray, qmin: int, levels: int,
-                pairs_max_escapes: float) -> tuple[int, int, int, list[np.ndarray], str]:
-    """codes [N, D] -> (flags, distinct rows, centre, sections, layout) of the zstd layouts."""
+def encode_body(codes: np.ndarray, qmin: int, levels: int, pairs_max_escapes: float,
+                counts: np.ndarray | None = None) -> tuple[int, int, int, list[np.ndarray], str]:
+    """codes [N, D] -> (flags, distinct rows, centre, sections, layout) of the zstd layouts. ``counts``: the
+    codes of ``code_profile``'s sample counted already (by ``quantize_safe``)."""
     wide = levels > 256
     flags = FLAG_ZSTD | (FLAG_WIDE if wide else 0)
     center = -qmin if qmin <= 0 < qmin + levels else levels // 2  # the code of 0.0
-    bits, escapes = pk.code_profile(codes, levels, center) if not wide else (math.log2(levels), 1.0)
+    if wide:
+        bits, escapes = math.log2(levels), 1.0
+    elif counts is not None:
+        bits, escapes = native.profile(counts, center)
+    else:
+        bits, escapes = pk.code_profile(codes, levels, center)
     rows = dedup_rows(codes, codes.shape[1] * max(bits, 1.0))
     c, index = rows if rows is not None else (codes, None)
     sections: list[np.ndarray] = []
     layout = "bytes"
     if 1 < levels <= 128 and escapes <= pairs_max_escapes:
-        packed, escaped = pk.pair_encode(c, center)
-        sections += [_frame(packed), _frame(escaped)]
+        sections.append(_frame(native.pair_stream(c, center)))
         flags |= FLAG_PAIRS
         layout = "pairs"
     else:

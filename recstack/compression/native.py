@@ -1,0 +1,171 @@
+"""The C loops of the host path (``_ebhost.c``), with the numpy code they replace as the fallback.
+
+Every function here returns exactly what its numpy twin returns (tests compare them on random inputs), so
+a machine without the compiled module writes and reads the same messages, only slower. ``RECSTACK_NO_NATIVE=1``
+switches the C loops off, for comparisons. Inputs are checked by the callers: C-contiguous arrays of the
+stated dtypes, codes within 256 levels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:
+    from recstack.compression import _ebhost as _c
+except ImportError:  # built without a compiler: the numpy loops below
+    _c = None
+if os.environ.get("RECSTACK_NO_NATIVE") == "1":
+    _c = None
+
+PROFILE_SAMPLE = 4096  # codes the entropy profile looks at (packing.code_profile)
+NATIVE_MAX_INDEX = 1 << 21  # the C rounding is exact while |x / step| < 2**22
+
+
+def available() -> bool:
+    return _c is not None
+
+
+def finite_range(x: np.ndarray) -> tuple[float, float, bool] | None:
+    """float32 array -> ``quantize.finite_range`` of it; None without the C loops."""
+    if _c is None:
+        return None
+    return _c.minmax(np.ascontiguousarray(x))
+
+
+def grid(lo: float, hi: float, step32: float) -> tuple[np.float32, int, int]:
+    """A normal float32 step -> (inv32 = 1 / step32, rint(float32(lo) * inv32), rint(float32(hi) * inv32)),
+    each rounded to float32 as numpy scalars round."""
+    if _c is None:
+        inv32 = np.float32(1.0) / np.float32(step32)
+        return inv32, int(np.rint(np.float32(lo) * inv32)), int(np.rint(np.float32(hi) * inv32))
+    inv, qmin, qmax = _c.grid(lo, hi, step32)
+    return np.float32(inv), int(qmin), int(qmax)
+
+
+def profile(counts: np.ndarray, center: int) -> tuple[float, float]:
+    """``packing.profile_from_counts`` (counts int64)."""
+    if _c is None:
+        from recstack.compression.packing import profile_from_counts
+
+        return profile_from_counts(counts, center)
+    return _c.profile(counts, center)
+
+
+def quantize_u8(x: np.ndarray, inv32: np.float32, qmin: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [N, D] float32 on the grid [qmin, qmax] of at most 256 levels -> (codes [N, D] uint8 =
+    rint(x * inv) - qmin, counts [256] int64 of the even sample of codes that ``packing.code_profile`` takes)."""
+    stride = max(1, x.size // PROFILE_SAMPLE)
+    if _c is None or max(abs(qmin), abs(qmax)) >= NATIVE_MAX_INDEX:
+        q = np.multiply(x, inv32)
+        np.rint(q, out=q)
+        q -= np.float32(qmin)
+        codes = q.astype(np.uint8)
+        return codes, np.bincount(codes.reshape(-1)[::stride], minlength=256)
+    codes = np.empty(x.shape, np.uint8)
+    counts = np.empty(256, np.int64)
+    _c.quantize(np.ascontiguousarray(x), float(inv32), int(qmin), codes, counts, stride)
+    return codes, counts
+
+
+def pair_stream(codes: np.ndarray, center: int) -> np.ndarray:
+    """``packing.pair_encode`` as one stream: the packed nibbles [ceil(n / 2)], then the escaped codes."""
+    if _c is None:
+        from recstack.compression.packing import pair_encode as numpy_pair_encode
+
+        return np.concatenate(numpy_pair_encode(codes, center))
+    flat = np.ascontiguousarray(codes).reshape(-1)
+    half = (flat.size + 1) // 2
+    out = np.empty(half + flat.size, np.uint8)
+    e = _c.pair_pack(flat, int(center), out[:half], out[half:])
+    return out[: half + e]
+
+
+def pair_dequantize(packed: np.ndarray, escaped: np.ndarray, n: int, center: int, qmin: int, step32: np.float32,
+                    levels: int) -> np.ndarray:
+    """Nibble pairs + escaped codes -> float32 values [n] ((code + qmin) * step); EbFormatError for an
+    escape count that does not match or a code outside the levels."""
+    if _c is None:
+        from recstack.compression.packing import pair_decode
+
+        return dequantize_u8(pair_decode(packed, escaped, n, center), qmin, step32, levels)
+    if packed.size * 2 < n:
+        _check(-3, 0, n=n, size=packed.size)
+    out = np.empty(n, np.float32)
+    status = _c.pair_dequant(packed, n, int(center), escaped, int(qmin), float(step32), int(levels), out)
+    _check(status, escaped.size, levels)
+    return out
+
+
+def dequantize_u8(codes: np.ndarray, qmin: int, step32: np.float32, levels: int) -> np.ndarray:
+    """uint8 codes [n] -> float32 values [n] ((code + qmin) * step, in float32); EbFormatError for a code
+    outside the levels."""
+    if _c is None:
+        if codes.size and int(codes.max()) >= levels:
+            _check(-2, 0, levels)
+        values = codes.astype(np.float32)
+        if qmin:
+            values += np.float32(qmin)
+        values *= step32
+        return values
+    out = np.empty(codes.size, np.float32)
+    _check(_c.byte_dequant(np.ascontiguousarray(codes), int(qmin), float(step32), int(levels), out), 0, levels)
+    return out
+
+
+def dedup_rows(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """codes [N, D] (C-contiguous) -> (first [U] row of each distinct row in order of first occurrence, row
+    tokens [N] as ``packing.dedup_rows`` defines them, U), exact (rows are compared, not only hashed); None
+    without the C loops (``host.dedup_rows`` then hashes and sorts in numpy)."""
+    if _c is None:
+        return None
+    n = codes.shape[0]
+    first = np.empty(n, np.int64)
+    tokens = np.empty(n, np.int64)
+    u = _c.dedup(np.ascontiguousarray(codes), n, codes.nbytes // max(n, 1), first, tokens)
+    return first[:u], tokens, u
+
+
+def expand_rows(values: np.ndarray, raw_tokens: np.ndarray, n: int, wide: bool) -> np.ndarray:
+    """Distinct rows [U, D] float32 + row tokens as byte planes (``packing.byte_planes``) -> rows [N, D];
+    EbFormatError unless the tokens introduce exactly U rows and only repeat rows introduced before."""
+    from recstack.compression import packing as pk
+
+    u, d = values.shape
+    if _c is None:
+        return values[pk.rows_from_tokens_np(pk.from_planes(raw_tokens, n, wide), u)]
+    out = np.empty((n, d), np.float32)
+    if _c.expand(np.ascontiguousarray(values), d, raw_tokens, n, u, int(wide), out):
+        _check(-4, 0, levels=u)
+    return out
+
+
+_POS = np.zeros(0, np.uint64)
+
+
+def word_sums(body: np.ndarray) -> tuple[int, int]:
+    """uint8 [n] -> (sum of its whole little-endian uint32 words, sum of word * position from 1), mod 2**64."""
+    global _POS
+    if _c is not None:
+        return _c.word_sums(body)
+    n4 = body.size - body.size % 4
+    words = (body[:n4] if body.ctypes.data % 4 == 0 else body[:n4].copy()).view(np.uint32).astype(np.uint64)
+    if words.size > _POS.size:
+        _POS = np.arange(1, max(words.size, 1 << 16) * 2 + 1, dtype=np.uint64)
+    s1 = int(words.sum(dtype=np.uint64)) if words.size else 0
+    s2 = int(np.dot(words, _POS[: words.size])) if words.size else 0  # uint64 arithmetic wraps like int64
+    return s1, s2
+
+
+def _check(status: int, escapes: int, levels: int = 0, n: int = 0, size: int = 0) -> None:
+    from recstack.compression.format import EbFormatError  # here: format imports this module
+
+    if status == -1:
+        raise EbFormatError(f"eb: the escape symbols do not match the {escapes} escaped codes")
+    if status == -2:
+        raise EbFormatError(f"eb: a code is outside the {levels} levels")
+    if status == -4:
+        raise EbFormatError(f"eb: row tokens do not describe {levels} distinct rows")
+    if status == -3:
+        raise EbFormatError(f"eb: {size} packed bytes cannot hold {n} codes")

@@ -1,0 +1,18 @@
+"""The one compiled part of recstack: host kernels of the eb codec (recstack/compression/_ebhost.c).
+
+Optional: without a C compiler the build goes on and recstack uses the numpy versions of the same loops
+(same messages, slower). No FMA contraction, so that the C loops round exactly like numpy's float32 code.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "recstack.compression._ebhost",
+            ["recstack/compression/_ebhost.c"],
+            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"],
+            optional=True,
+        )
+    ]
+)

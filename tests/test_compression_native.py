@@ -1,0 +1,157 @@
+"""The C loops of the eb host path give exactly what their numpy twins give, and messages are the same
+bytes with or without them."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recstack.compression import eb, host, native
+from recstack.compression import packing as pk
+from recstack.compression.format import EbFormatError
+from recstack.compression.quantize import finite_range
+
+needs_native = pytest.mark.skipif(not native.available(), reason="the C host kernels are not built here")
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+def numpy_only(fn, *args):
+    """fn(*args) with native's functions on their numpy branch."""
+    saved, native._c = native._c, None
+    try:
+        return fn(*args)
+    finally:
+        native._c = saved
+
+
+def test_kernels_are_built_where_a_compiler_exists() -> None:
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the numpy loops are used")
+    assert native.available(), "a C compiler exists but recstack.compression._ebhost was not built (pip install -e .)"
+
+
+@needs_native
+@SETTINGS
+@given(n=st.integers(0, 3000), levels=st.integers(2, 256), seed=st.integers(0, 2**16))
+def test_grid_quantize_profile_and_pairs_match_numpy(n, levels, seed) -> None:
+    rng = np.random.default_rng(seed)
+    step = np.float32(0.01)
+    inv = np.float32(1.0) / step
+    qmin = int(rng.integers(-levels + 1, 1))
+    codes_true = rng.integers(0, levels, n)
+    x = ((codes_true + qmin) * step + rng.uniform(-0.45, 0.45, n) * step).astype(np.float32).reshape(-1, 1)
+    got, counts = native.quantize_u8(x, inv, qmin, qmin + levels - 1)
+    want, want_counts = numpy_only(native.quantize_u8, x, inv, qmin, qmin + levels - 1)
+    assert np.array_equal(got, want) and np.array_equal(counts, want_counts)
+    center = int(rng.integers(0, levels))
+    packed, escaped = pk.pair_encode(want, center)
+    assert np.array_equal(native.pair_stream(got, center), np.concatenate([packed, escaped]))
+    lo, hi, step32 = -rng.uniform(0, 10), rng.uniform(0, 10), float(np.float32(rng.uniform(1e-3, 1)))
+    assert tuple(map(float, native.grid(lo, hi, step32))) == tuple(map(float, numpy_only(native.grid, lo, hi, step32)))
+    assert native.profile(counts, center) == pytest.approx(pk.profile_from_counts(counts, center), rel=1e-9)
+    values = native.pair_dequantize(packed, escaped, n, center, qmin, step, levels)
+    want_values = numpy_only(native.pair_dequantize, packed, escaped, n, center, qmin, step, levels)
+    assert values.tobytes() == want_values.tobytes()
+    flat = got.reshape(-1)
+    assert native.dequantize_u8(flat, qmin, step, levels).tobytes() == numpy_only(
+        native.dequantize_u8, flat, qmin, step, levels).tobytes()
+
+
+@needs_native
+@SETTINGS
+@given(n=st.integers(2, 600), d=st.integers(1, 40), distinct=st.integers(1, 80), wide=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_dedup_matches_numpy(n, d, distinct, wide, seed) -> None:
+    rng = np.random.default_rng(seed)
+    table = rng.integers(0, 5000 if wide else 256, (distinct, d)).astype(np.int32 if wide else np.uint8)
+    codes = np.ascontiguousarray(table[rng.integers(0, distinct, n)])
+    for row_bits in (1.0, 64.0, 4096.0):  # dedup that never, sometimes and always pays
+        got = host.dedup_rows(codes, row_bits)
+        want = numpy_only(host.dedup_rows, codes, row_bits)
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+            assert np.array_equal(got[0][pk.rows_from_tokens_np(got[1], len(got[0]))], codes)
+
+
+@needs_native
+@SETTINGS
+@given(n=st.integers(1, 700), u=st.integers(1, 300), d=st.integers(1, 20), seed=st.integers(0, 2**16),
+       corrupt=st.booleans())
+def test_expand_matches_numpy_and_rejects_bad_tokens(n, u, d, seed, corrupt) -> None:
+    rng = np.random.default_rng(seed)
+    u = min(u, n)
+    values = rng.normal(size=(u, d)).astype(np.float32)
+    new = np.sort(rng.choice(n, u, replace=False))  # where each distinct row first appears
+    new[0] = 0 if rng.random() < 0.9 else new[0]  # mostly valid streams: a repeat before any row is not
+    seen = np.cumsum(np.isin(np.arange(n), new))
+    tokens = np.where(np.isin(np.arange(n), new), 0, rng.integers(0, 1 << 30, n) % np.maximum(seen, 1) + 1)
+    if corrupt:
+        tokens[rng.integers(0, n)] = rng.integers(0, u + 2)
+    wide = u + 1 > 256
+    raw = pk.byte_planes(tokens, wide)
+    try:
+        want = numpy_only(native.expand_rows, values, raw, n, wide)
+    except EbFormatError:
+        with pytest.raises(EbFormatError, match="row tokens"):
+            native.expand_rows(values, raw, n, wide)
+        return
+    assert native.expand_rows(values, raw, n, wide).tobytes() == want.tobytes()
+
+
+@needs_native
+@SETTINGS
+@given(values=st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), max_size=50))
+def test_finite_range_matches_torch(values) -> None:
+    x = torch.tensor(values, dtype=torch.float32)
+    got = finite_range(x)
+    want = numpy_only(finite_range, x)
+    assert got[2] == want[2]
+    assert all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(got[:2], want[:2], strict=True))
+
+
+@needs_native
+@SETTINGS
+@given(data=st.binary(min_size=0, max_size=5000), offset=st.integers(0, 7))
+def test_word_sums_match_numpy_at_any_alignment(data, offset) -> None:
+    buf = np.frombuffer(bytes(offset) + data, np.uint8)[offset:]
+    assert native.word_sums(buf) == numpy_only(native.word_sums, buf)
+
+
+@needs_native
+def test_decoders_reject_bad_escapes_and_codes() -> None:
+    packed, escaped = pk.pair_encode(np.array([3, 40, 3, 3], np.uint8), 3)
+    with pytest.raises(EbFormatError, match="escape"):
+        native.pair_dequantize(packed, escaped[:0], 4, 3, 0, np.float32(1), 64)
+    with pytest.raises(EbFormatError, match="escape"):
+        native.pair_dequantize(packed, np.concatenate([escaped, escaped]), 4, 3, 0, np.float32(1), 64)
+    with pytest.raises(EbFormatError, match="outside the 40 levels"):
+        native.pair_dequantize(packed, escaped, 4, 3, 0, np.float32(1), 40)
+    with pytest.raises(EbFormatError, match="outside the 3 levels"):
+        native.dequantize_u8(np.array([0, 1, 3], np.uint8), 0, np.float32(1), 3)
+    many = np.full(40, 90, np.uint8)  # 40 escapes: counts beyond any small field
+    packed, escaped = pk.pair_encode(many, 3)
+    assert native.pair_dequantize(packed, escaped, 40, 3, 0, np.float32(1), 128).tolist() == [90.0] * 40
+    with pytest.raises(EbFormatError, match="cannot hold"):
+        native.pair_dequantize(packed[:1], escaped, 4, 3, 0, np.float32(1), 64)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["embedding", "gradient"])
+def test_messages_are_the_same_bytes_without_the_kernels(kind) -> None:
+    rng = np.random.default_rng(7)
+    if kind == "embedding":
+        x = rng.normal(size=(300, 16))[rng.integers(0, 300, 2048)]
+    else:
+        x = rng.normal(size=(2048, 16)) * rng.exponential(1.0, (2048, 1)) ** 4
+    t = torch.from_numpy(x.astype(np.float32))
+    fast = eb.encode(t, 0.03)
+    slow = numpy_only(eb.encode, t, 0.03)
+    assert torch.equal(fast, slow)
+    assert torch.equal(eb.decode(fast), numpy_only(eb.decode, fast))
