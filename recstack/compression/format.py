@@ -48,7 +48,7 @@ RAW, QUANTIZED = 0, 1
 FLAG_REL = 1  # the requested bound is relative to the value range of the message
 FLAG_DEDUP = 2  # distinct code rows + one row index per original row
 FLAG_ZSTD = 4  # sections are zstd frames (else bit-packed)
-FLAG_PAIRS = 8  # codes ranked by frequency and packed two per byte with an escape symbol
+FLAG_PAIRS = 8  # codes as nibbles around the centre (15 = escape), then the escaped codes, in one zstd frame
 FLAG_WIDE = 16  # codes are uint16 (K > 256)
 FLAG_EXCEPTIONS = 32  # positions and exact values of the values kept as they are
 KNOWN_FLAGS = 63
