@@ -4,6 +4,7 @@ bytes with or without them."""
 from __future__ import annotations
 
 import math
+import os
 import shutil
 
 import numpy as np
@@ -33,6 +34,8 @@ def numpy_only(fn, *args):
 def test_kernels_are_built_where_a_compiler_exists() -> None:
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: the numpy loops are used")
+    if os.environ.get("RECSTACK_NO_NATIVE") == "1":
+        pytest.skip("RECSTACK_NO_NATIVE=1 switches the C loops off")
     assert native.available(), "a C compiler exists but recstack.compression._ebhost was not built (pip install -e .)"
 
 
