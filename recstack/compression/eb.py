@@ -182,7 +182,7 @@ def _quantized_body(qz, n: int, d: int, use_zstd: bool) -> tuple[Header, list[to
     return header, sections, layout
 
 
-def _decode_zstd(h: Header, secs: list[torch.Tensor], u: int, d: int, wide: bool) -> tuple[torch.Tensor, int]:
+def _decode_zstd(h: Header, secs: list, u: int, d: int, wide: bool) -> tuple[torch.Tensor, int]:
     """The zstd layouts, decoded on the host with numpy -> (values [N, D] float32 on the CPU, next section)."""
     n = h.rows
     step32 = np.float32(h.step)  # the same float32 arithmetic as ``dequantize``
@@ -229,7 +229,9 @@ def describe(message: torch.Tensor) -> Header:
 def decode(message: torch.Tensor) -> torch.Tensor:
     """uint8 message -> float32 [N, D] on the message's device. Raises EbFormatError (a CodecError) for a
     truncated, corrupt or foreign message."""
-    h, secs = parse(message)
+    h, secs = parse(message, host_views=True)
+    if secs and isinstance(secs[0], np.ndarray) and not (h.kind == QUANTIZED and h.flags & FLAG_ZSTD):
+        secs = [torch.from_numpy(sec) for sec in secs]  # only the zstd layouts are decoded with numpy
     n, d = h.rows, h.cols
     if h.kind == RAW:
         if h.flags & ~FLAG_REL or len(secs) != 1:
@@ -263,6 +265,7 @@ def decode(message: torch.Tensor) -> torch.Tensor:
             index = pk.rows_from_tokens(pk.bitunpack(secs[pos], pk.bits_for(u + 1), n), u)
             values, pos = values.index_select(0, index), pos + 1
     if f & FLAG_EXCEPTIONS:
+        secs = [torch.from_numpy(sec) if isinstance(sec, np.ndarray) else sec for sec in secs]
         e = h.exceptions
         where = _view(secs[pos], torch.int32, e, "exact-value position").long()
         exact = _view(secs[pos + 1], torch.float32, e, "exact value")

@@ -154,8 +154,10 @@ def assemble(header: Header, sections: list[torch.Tensor], device: torch.device)
     return msg
 
 
-def parse(message: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
-    """Check a message and split it -> (header, sections as uint8 views of ``message``)."""
+def parse(message: torch.Tensor, host_views: bool = False) -> tuple[Header, list]:
+    """Check a message and split it -> (header, sections as uint8 views of ``message``: tensors, or numpy
+    arrays when ``host_views`` and the message is on the host, which saves the host decoder a tensor op
+    per section)."""
     if message.dtype != torch.uint8 or message.dim() != 1:
         raise EbFormatError(f"eb: a message is a 1-D uint8 tensor, got {message.dtype} of shape {tuple(message.shape)}")
     n = message.numel()
@@ -193,7 +195,7 @@ def parse(message: torch.Tensor) -> tuple[Header, list[torch.Tensor]]:
         pos += 4
         if length < 0 or pos + length > n:
             raise EbFormatError(f"eb: section {i} of {length} bytes runs past the end of a {n}-byte message")
-        sections.append(message[pos : pos + length])
+        sections.append(buf[pos : pos + length] if on_host and host_views else message[pos : pos + length])
         pos += length
     if pos != n:
         raise EbFormatError(f"eb: {n - pos} trailing bytes after the last section")

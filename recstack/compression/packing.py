@@ -26,6 +26,7 @@ from recstack.compression.format import EbFormatError
 ESCAPE = 15  # nibble symbol of the paired layout that says "the code is in the escape stream"
 ZSTD_LEVEL = 1  # level 1 keeps Huffman-coded literals (negative levels store them raw) and runs fastest
 ZSTD_MIN_MATCH = 7  # code streams have few long matches: 7 (level 1 uses 6) is ~10% faster and ~1% smaller
+ZSTD_HASH_LOG = 12  # a smaller match table than level 1's: clearing it is much of a small frame's cost
 _local = threading.local()
 
 if sys.byteorder != "little":  # bit packing reads int64 words as bytes
@@ -34,8 +35,8 @@ if sys.byteorder != "little":  # bit packing reads int64 words as bytes
 
 def zstd_contexts() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
     if not hasattr(_local, "zc"):  # contexts are not thread-safe: one pair per thread
-        params = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVEL, min_match=ZSTD_MIN_MATCH,
-                                                                 write_content_size=True)
+        params = zstandard.ZstdCompressionParameters.from_level(
+            ZSTD_LEVEL, min_match=ZSTD_MIN_MATCH, hash_log=ZSTD_HASH_LOG, write_content_size=True)
         _local.zc = zstandard.ZstdCompressor(compression_params=params)
         _local.zd = zstandard.ZstdDecompressor()
     return _local.zc, _local.zd
@@ -47,10 +48,10 @@ def zstd_pack(a: np.ndarray) -> torch.Tensor:
     return torch.frombuffer(bytearray(frame), dtype=torch.uint8) if frame else torch.zeros(0, dtype=torch.uint8)
 
 
-def zstd_unpack(section: torch.Tensor, nbytes: int, what: str, limit: int = 0) -> np.ndarray:
+def zstd_unpack(section: torch.Tensor | np.ndarray, nbytes: int, what: str, limit: int = 0) -> np.ndarray:
     """zstd frame (uint8 tensor) -> exactly ``nbytes`` bytes (or, with nbytes < 0, at most ``limit``) as a
     uint8 numpy array; anything else raises EbFormatError before a large buffer is allocated."""
-    data = section.cpu().numpy()  # zstd reads the buffer in place
+    data = section if isinstance(section, np.ndarray) else section.cpu().numpy()  # read in place by zstd
     try:
         size = zstandard.frame_content_size(data)
         cap = nbytes if nbytes >= 0 else limit
