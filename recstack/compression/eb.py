@@ -251,12 +251,13 @@ def decode(message: torch.Tensor) -> torch.Tensor:
     u = h.unique_rows if f & FLAG_DEDUP else n
     if u != h.unique_rows or (n and not u):
         raise EbFormatError(f"eb: {h.unique_rows} distinct rows for {n} rows")
-    device, wide = message.device, bool(f & FLAG_WIDE)
-    grid = Grid(h.eb_abs, h.step, float(np.float32(h.step)), h.qmin, h.levels)
+    wide = bool(f & FLAG_WIDE)
     if f & FLAG_ZSTD:
         values, pos = _decode_zstd(h, secs, u, d, wide)
-        values = values.to(device)
+        if message.device.type != "cpu":
+            values = values.to(message.device)
     else:
+        grid = Grid(h.eb_abs, h.step, float(np.float32(h.step)), h.qmin, h.levels)
         codes = pk.bitunpack(secs[0], pk.bits_for(h.levels), u * d).view(u, d)
         if codes.numel() and int(codes.max()) >= h.levels:
             raise EbFormatError(f"eb: a code is outside the {h.levels} levels")
