@@ -1,9 +1,10 @@
 /* Host kernels of the error-bounded codec: the per-value loops of recstack/compression/host.py in C.
  *
- * numpy needs one pass, and one temporary, per operation; these loops do quantization, the nibble
- * layout, dequantization and the checksum in one pass each. They are bit-for-bit the numpy code they
- * replace (float32 arithmetic in the same order, no FMA contraction: see setup.py), and tests compare the
- * two on random inputs. Buffers come through the buffer protocol, so this file needs neither the numpy nor
+ * numpy needs one pass, and one temporary, per operation; these loops do the value range, quantization
+ * with the code histogram, the nibble layout, row deduplication, dequantization, row expansion and the
+ * checksum in one pass each. They give bit for bit what the numpy code they replace gives (float32
+ * arithmetic in the same order, no FMA contraction: see setup.py), and tests compare the two on random
+ * inputs. Buffers come through the buffer protocol, so this file needs neither the numpy nor
  * the torch headers; the caller (recstack/compression/native.py) checks dtypes and sizes.
  */
 #define PY_SSIZE_T_CLEAN
