@@ -109,6 +109,25 @@ def test_adapter_starts_as_identity_and_alpha_clips_the_target() -> None:
     assert bool((3.0 * p > 1.0).any())  # the clip is exercised
 
 
+def test_single_head_adapter_arm_replaces_the_fm_label_with_the_adapter_output() -> None:
+    vm, batch = _vm("distill_sa", weight=2.0), _batch()
+    terms = vm.losses(batch)
+    assert float(terms["distill"].detach()) == 0.0 and vm.distill_head is None
+    # the adapter's output is the serving head's second target, at the single-head arm's weight
+    with torch.no_grad():
+        target = torch.sigmoid(vm.adapter(batch.extras[FM_LOGIT]))
+    torch.testing.assert_close(terms["adapter_target"], 2.0 * F.binary_cross_entropy_with_logits(vm(batch), target))
+    # no VM loss reaches the adapter; the adapter's own loss reaches only the adapter
+    adapter = list(vm.adapter.parameters())
+    others = [p for n, p in vm.named_parameters() if not n.startswith("adapter.")]
+    for g in _grads(vm, batch, ("serving", "distill", "adapter_target"), adapter):
+        assert g.abs().sum() == 0
+    for g in _grads(vm, batch, ("adapter",), others):
+        assert g.abs().sum() == 0
+    serving_head = list(vm.body.top.parameters())
+    assert sum(float(g.abs().sum()) for g in _grads(vm, batch, ("adapter_target",), serving_head)) > 0
+
+
 def test_sa_fm_weight_sets_the_raw_fm_target_of_the_adapter_arm_only() -> None:
     batch = _batch()
     aux = _vm("aux", weight=2.0, sa_fm_weight=0.5).losses(batch)["distill"]
@@ -117,7 +136,7 @@ def test_sa_fm_weight_sets_the_raw_fm_target_of_the_adapter_arm_only() -> None:
     # same body seed and head: only the weight differs
     torch.testing.assert_close(aux, default)
     torch.testing.assert_close(with_sa, 0.25 * default)
-    assert float(_vm("aux_sa", weight=2.0, sa_fm_weight=0.0).losses(batch)["distill"]) == 0.0
+    assert float(_vm("aux_sa", weight=2.0, sa_fm_weight=0.0).losses(batch)["distill"].detach()) == 0.0
 
 
 def test_distillation_arms_need_fm_labels() -> None:
@@ -128,7 +147,7 @@ def test_distillation_arms_need_fm_labels() -> None:
     assert set(_vm("alone").losses(batch)) == {"serving"}
 
 
-@pytest.mark.parametrize("arm", ["distill", "aux", "aux_sa"])
+@pytest.mark.parametrize("arm", ["distill", "distill_sa", "aux", "aux_sa"])
 def test_served_model_is_the_size_of_the_vm_alone(arm: str) -> None:
     alone, vm, batch = _vm("alone"), _vm(arm), _batch()
     served = vm.serving_model()

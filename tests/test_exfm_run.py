@@ -59,7 +59,8 @@ def test_exfm_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     for name in ("ne_gain.png", "ne_by_window.png", "report.md"):
         assert (out / name).stat().st_size > 1000 if name.endswith(".png") else (out / name).is_file()
     runs = {(r["vertical"], r["arm"], r["staleness"]) for r in res["vm"]}
-    want = {(v, "alone", -1) for v in (0, 2)} | {(v, a, 1) for v in (0, 2) for a in ("distill", "aux", "aux_sa")}
+    arms = ("distill", "distill_sa", "aux", "aux_sa")
+    want = {(v, "alone", -1) for v in (0, 2)} | {(v, a, 1) for v in (0, 2) for a in arms}
     assert runs == want
     for r in res["vm"]:
         assert [rec["window"] for rec in r["records"]] == [0, 1, 2, 3, 4]  # warm-up + arm windows
@@ -86,7 +87,7 @@ def test_exfm_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     # a rerun finds every task done and reports the same numbers
     before = res["summary"]
     assert main(["exfm", "run", "--config", str(cfg), "--output-dir", str(out)]) == 0
-    assert "11 tasks (11 already done)" in capsys.readouterr().out
+    assert "13 tasks (13 already done)" in capsys.readouterr().out
     assert json.loads((out / "results.json").read_text())["summary"] == before
 
 

@@ -15,10 +15,12 @@ from typing import Any
 from recstack.config import Config, ConfigError, ModelConfig, OptimConfig, TrainConfig, fill, load_into
 from recstack.config import validate as validate_model
 
-ARMS = ("alone", "distill", "aux", "aux_sa")
+ARMS = ("alone", "distill", "distill_sa", "aux", "aux_sa")
+ADAPTER_ARMS = ("distill_sa", "aux_sa")
 ARM_TITLES = {
     "alone": "VM alone",
     "distill": "single-head distillation",
+    "distill_sa": "single-head distillation + Student Adapter",
     "aux": "Auxiliary Head",
     "aux_sa": "Auxiliary Head + Student Adapter",
 }
@@ -82,8 +84,16 @@ class DistillConfig:
     sa_fm_weight: float = -1.0  # the raw FM target's weight in the aux_sa arm; < 0: ``weight``
 
     def fm_weight(self, arm: str) -> float:
-        """Weight of h(., min(alpha y_F, 1)) for ``arm``: ``sa_fm_weight`` (when >= 0) with the adapter."""
+        """Weight of h(., min(alpha y_F, 1)) for ``arm``: none in ``distill_sa`` (the adapter's output takes
+        the FM label's place), ``sa_fm_weight`` (when >= 0) in ``aux_sa``, else ``weight``."""
+        if arm == "distill_sa":
+            return 0.0
         return self.sa_fm_weight if arm == "aux_sa" and self.sa_fm_weight >= 0 else self.weight
+
+    def adapter_weight(self, arm: str) -> float:
+        """Weight of h(., stop_grad(sigmoid(y_SA))): ``weight`` in ``distill_sa`` (the same weight as the
+        single-head arm's FM label, so that the two differ in the label only), ``sa_weight`` in ``aux_sa``."""
+        return self.weight if arm == "distill_sa" else self.sa_weight
 
 
 @dataclass

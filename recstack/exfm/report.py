@@ -21,7 +21,8 @@ from matplotlib.figure import Figure
 
 from recstack.exfm.config import ARM_TITLES
 
-COLORS = {"alone": "0.35", "distill": "tab:orange", "aux": "tab:blue", "aux_sa": "tab:green", "fm": "tab:purple"}
+COLORS = {"alone": "0.35", "distill": "tab:orange", "distill_sa": "tab:red", "aux": "tab:blue", "aux_sa": "tab:green",
+          "fm": "tab:purple"}
 
 
 def ne_gain(base: float, new: float) -> float:
@@ -72,11 +73,11 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     alone_row = {k: _spread([float(np.mean(c[k])) for c in by_seed.values()]) for k in ("ne", "auc", "calibration")}
     advantage = []
     for d in sorted({d for _, d in per}):
-        for other in ("aux", "distill"):
-            if ("aux_sa", d) in per and (other, d) in per:
-                a, b = per[("aux_sa", d)], per[(other, d)]
+        for arm, other in (("aux_sa", "aux"), ("aux_sa", "distill"), ("distill_sa", "distill")):
+            if (arm, d) in per and (other, d) in per:
+                a, b = per[(arm, d)], per[(other, d)]
                 diffs = [float(np.mean(a[s]["gain"]) - np.mean(b[s]["gain"])) for s in a if s in b]
-                advantage.append({"staleness": d, "versus": other, "points": _spread(diffs)})
+                advantage.append({"staleness": d, "arm": arm, "versus": other, "points": _spread(diffs)})
     fm = defaultdict(list)
     for res in results.get("fm", {}).values():
         for key, m in res["summary"].items():
@@ -111,9 +112,10 @@ def markdown(summary: dict[str, Any], vertical_names: list[str]) -> str:
         lines.append(f"| {ARM_TITLES[r['arm']]} | {r['staleness']} | {_fmt(g)} | {rng} | {r['ne']['mean']:.4f} | "
                      f"{r['auc']['mean']:.4f} | {r['calibration']['mean']:.3f} | {fm} | {ad} |")
     if summary["sa_advantage"]:
-        lines += ["", "| staleness | AH + SA minus | NE gain points (mean ± sd over seeds) |", "|---|---|---|"]
+        lines += ["", "| staleness | arm | minus | NE gain points (mean ± sd over seeds) |", "|---|---|---|---|"]
         for r in summary["sa_advantage"]:
-            lines.append(f"| {r['staleness']} | {ARM_TITLES[r['versus']]} | {_fmt(r['points'])} |")
+            lines.append(f"| {r['staleness']} | {ARM_TITLES[r.get('arm', 'aux_sa')]} | {ARM_TITLES[r['versus']]} "
+                         f"| {_fmt(r['points'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -4,6 +4,10 @@ The VM is a ``DLRM``: its bottom MLP, embeddings and interaction are the shared 
 [B, H]) and its top MLP is the serving head. The arms add, on top of that body:
 
 * ``distill``  single-head distillation: the serving head also fits the FM prediction.
+* ``distill_sa`` single-head distillation from the adapted FM: the Student Adapter (below) is fitted to the
+               fresh labels, and its output, with gradients stopped, replaces the FM prediction as the
+               serving head's second target (same weight): the SA's effect where no second head can
+               absorb a recalibration.
 * ``aux``      an Auxiliary Head: a second head (same shape as the serving head) fits the FM prediction,
                the serving head sees true labels only, and the distillation head's gradient into the body
                is scaled by ``beta``.
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recstack.data.batch import Batch
-from recstack.exfm.config import ARMS, DistillConfig
+from recstack.exfm.config import ADAPTER_ARMS, ARMS, DistillConfig
 from recstack.models.dlrm import DLRM, mlp
 
 FM_LOGIT = "fm_logit"  # the Batch extra that carries the FM's logged logit [B]
@@ -72,7 +76,7 @@ class VerticalModel(nn.Module):
         # A fresh copy of the serving head's shape; copy.deepcopy would also copy its trained weights.
         sizes = [m.in_features for m in body.top if isinstance(m, nn.Linear)] + [1]
         self.distill_head = mlp(sizes, last_activation=False) if arm in ("aux", "aux_sa") else None
-        self.adapter = StudentAdapter(distill.sa_hidden) if arm == "aux_sa" else None
+        self.adapter = StudentAdapter(distill.sa_hidden) if arm in ADAPTER_ARMS else None
 
     def init_distill_head_from_serving(self) -> None:
         """Start the distillation head as a copy of the (warm) serving head: a fresh random head would send
@@ -106,9 +110,10 @@ class VerticalModel(nn.Module):
     def losses(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Each loss term (scalars, weights applied); the training loss is their sum.
 
-        ``serving``: h(y_S, y). ``distill``: w h(., min(alpha y_F, 1)) on the serving head (single-head arm)
-        or the distillation head. ``adapter``: h(y_SA, y), reaching only the adapter. ``adapter_target``:
-        sa_weight h(y_D, stop_grad(sigmoid(y_SA))), reaching only the VM.
+        ``serving``: h(y_S, y). ``distill``: w h(., min(alpha y_F, 1)) on the serving head (single-head arms;
+        weight 0 in ``distill_sa``) or the distillation head. ``adapter``: h(y_SA, y), reaching only the
+        adapter. ``adapter_target``: sa_weight h(y_D, stop_grad(sigmoid(y_SA))) (w h(y_S, ...) in
+        ``distill_sa``), reaching only the VM.
         """
         out = self.outputs(batch)
         y = batch.labels
@@ -122,8 +127,9 @@ class VerticalModel(nn.Module):
         if self.adapter is not None:
             terms["adapter"] = F.binary_cross_entropy_with_logits(out["adapter"], y)
             sa_target = torch.sigmoid(out["adapter"]).detach()
-            sa_head = out["serving"] if c.sa_target == "serving" else out["distill"]
-            terms["adapter_target"] = c.sa_weight * F.binary_cross_entropy_with_logits(sa_head, sa_target)
+            sa_head = out["distill"] if c.sa_target == "distill" and "distill" in out else out["serving"]
+            weight = c.adapter_weight(self.arm)
+            terms["adapter_target"] = weight * F.binary_cross_entropy_with_logits(sa_head, sa_target)
         return terms
 
     def loss(self, batch: Batch) -> torch.Tensor:
