@@ -2,9 +2,8 @@
 
 Every function here returns what its numpy twin returns (the entropy estimate of ``profile`` up to float
 rounding; tests compare them on random inputs), so a machine without the compiled module writes and reads
-the same messages, only slower. ``RECSTACK_NO_NATIVE=1``
-switches the C loops off, for comparisons. Inputs are checked by the callers: C-contiguous arrays of the
-stated dtypes, codes within 256 levels.
+the same messages, only slower. ``RECSTACK_NO_NATIVE=1`` switches the C loops off, for comparisons. Inputs
+are checked by the callers: arrays of the stated dtypes, codes within 256 levels.
 """
 
 from __future__ import annotations
