@@ -115,7 +115,8 @@ def encode_with_info(x: torch.Tensor, bound: float, relative: bool = True, lossl
 
 def _encode_host(x32: torch.Tensor, bound: float, eb_abs: float, lo: float, hi: float, dtype_code: int, flags: int,
                  want_recon: bool) -> tuple[torch.Tensor, EncodeInfo] | None:
-    """The numpy fast path for finite CPU values on a grid that needs no value check; None: not applicable."""
+    """The host fast path (numpy and the C loops of ``native``) for finite CPU values on a grid that needs no
+    value check; None: not applicable."""
     r = host.quantize_safe(x32.numpy(), eb_abs, lo, hi)
     if r is None:
         return None
