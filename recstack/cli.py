@@ -50,7 +50,7 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
 
         run_schema_prepare(args)
         return
-    from recstack.data.criteo import prepare_criteo, sort_day_files
+    from recstack.data.criteo_prepare import prepare_criteo, sort_day_files
 
     inputs: list[Path] = []
     for name in args.inputs:

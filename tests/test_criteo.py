@@ -21,9 +21,8 @@ from recstack.data.criteo import (
     _parse_block,
     _parse_fields,
     _RowError,
-    prepare_criteo,
-    sort_day_files,
 )
+from recstack.data.criteo_prepare import prepare_criteo, sort_day_files
 from recstack.data.criteo_vocab import VocabCounter, apply_vocabularies
 from recstack.data.format import PreparedDataset
 
