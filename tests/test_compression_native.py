@@ -49,8 +49,8 @@ def test_grid_quantize_profile_and_pairs_match_numpy(n, levels, seed) -> None:
     qmin = int(rng.integers(-levels + 1, 1))
     codes_true = rng.integers(0, levels, n)
     x = ((codes_true + qmin) * step + rng.uniform(-0.45, 0.45, n) * step).astype(np.float32).reshape(-1, 1)
-    got, counts = native.quantize_u8(x, inv, qmin, qmin + levels - 1)
-    want, want_counts = numpy_only(native.quantize_u8, x, inv, qmin, qmin + levels - 1)
+    got, counts = native.quantize(x, inv, qmin, qmin + levels - 1)
+    want, want_counts = numpy_only(native.quantize, x, inv, qmin, qmin + levels - 1)
     assert np.array_equal(got, want) and np.array_equal(counts, want_counts)
     center = int(rng.integers(0, levels))
     packed, escaped = pk.pair_encode(want, center)
@@ -62,8 +62,8 @@ def test_grid_quantize_profile_and_pairs_match_numpy(n, levels, seed) -> None:
     want_values = numpy_only(native.pair_dequantize, packed, escaped, n, center, qmin, step, levels)
     assert values.tobytes() == want_values.tobytes()
     flat = got.reshape(-1)
-    assert native.dequantize_u8(flat, qmin, step, levels).tobytes() == numpy_only(
-        native.dequantize_u8, flat, qmin, step, levels).tobytes()
+    assert native.dequantize(flat, qmin, step, levels).tobytes() == numpy_only(
+        native.dequantize, flat, qmin, step, levels).tobytes()
 
 
 @needs_native
@@ -137,7 +137,7 @@ def test_decoders_reject_bad_escapes_and_codes() -> None:
     with pytest.raises(EbFormatError, match="outside the 40 levels"):
         native.pair_dequantize(packed, escaped, 4, 3, 0, np.float32(1), 40)
     with pytest.raises(EbFormatError, match="outside the 3 levels"):
-        native.dequantize_u8(np.array([0, 1, 3], np.uint8), 0, np.float32(1), 3)
+        native.dequantize(np.array([0, 1, 3], np.uint8), 0, np.float32(1), 3)
     many = np.full(40, 90, np.uint8)  # 40 escapes: counts beyond any small field
     packed, escaped = pk.pair_encode(many, 3)
     assert native.pair_dequantize(packed, escaped, 40, 3, 0, np.float32(1), 128).tolist() == [90.0] * 40

@@ -160,7 +160,7 @@ def _quantized_body(qz, n: int, d: int, use_zstd: bool) -> tuple[Header, list[to
         c = codes.cpu().numpy()
         layout = "bytes"
         if 1 < g.levels <= 128 and escapes <= PAIRS_MAX_ESCAPES:
-            sections.append(pk.zstd_pack(np.concatenate(pk.pair_encode(c, center))))
+            sections.append(pk.zstd_pack(native.pair_stream(c, center)))
             flags |= FLAG_PAIRS
             layout = "pairs"
         else:
@@ -196,15 +196,7 @@ def _decode_zstd(h: Header, secs: list, u: int, d: int, wide: bool) -> tuple[tor
         pos = 1
     else:
         c, pos = pk.from_planes(pk.zstd_unpack(secs[0], u * d * (2 if wide else 1), "code"), u * d, wide), 1
-        if wide:
-            if c.size and int(c.max()) >= h.levels:
-                raise EbFormatError(f"eb: a code is outside the {h.levels} levels")
-            values = c.astype(np.float32)
-            if h.qmin:
-                values += np.float32(h.qmin)
-            values *= step32
-        else:
-            values = native.dequantize_u8(c, h.qmin, step32, h.levels)
+        values = native.dequantize(c, h.qmin, step32, h.levels)
     values = values.reshape(u, d)
     if h.flags & FLAG_DEDUP:
         wide_index = u + 1 > 256
@@ -231,8 +223,6 @@ def decode(message: torch.Tensor) -> torch.Tensor:
     """uint8 message -> float32 [N, D] on the message's device. Raises EbFormatError (a CodecError) for a
     truncated, corrupt or foreign message."""
     h, secs = parse(message, host_views=True)
-    if secs and isinstance(secs[0], np.ndarray) and not (h.kind == QUANTIZED and h.flags & FLAG_ZSTD):
-        secs = [torch.from_numpy(sec) for sec in secs]  # only the zstd layouts are decoded with numpy
     n, d = h.rows, h.cols
     if h.kind == RAW:
         if h.flags & ~FLAG_REL or len(secs) != 1:
@@ -267,7 +257,6 @@ def decode(message: torch.Tensor) -> torch.Tensor:
             index = pk.rows_from_tokens(pk.bitunpack(secs[pos], pk.bits_for(u + 1), n), u)
             values, pos = values.index_select(0, index), pos + 1
     if f & FLAG_EXCEPTIONS:
-        secs = [torch.from_numpy(sec) if isinstance(sec, np.ndarray) else sec for sec in secs]
         e = h.exceptions
         where = _view(secs[pos], torch.int32, e, "exact-value position").long()
         exact = _view(secs[pos + 1], torch.float32, e, "exact value")

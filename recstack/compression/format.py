@@ -156,8 +156,8 @@ def assemble(header: Header, sections: list[torch.Tensor], device: torch.device)
 
 def parse(message: torch.Tensor, host_views: bool = False) -> tuple[Header, list]:
     """Check a message and split it -> (header, sections as uint8 views of ``message``: tensors, or numpy
-    arrays when ``host_views`` and the message is on the host, which saves the host decoder a tensor op
-    per section)."""
+    arrays when ``host_views``, the message is on the host and its layout is one the host decodes with
+    numpy alone (zstd, no exact values), which saves that decoder a tensor op per section)."""
     if message.dtype != torch.uint8 or message.dim() != 1:
         raise EbFormatError(f"eb: a message is a 1-D uint8 tensor, got {message.dtype} of shape {tuple(message.shape)}")
     n = message.numel()
@@ -184,6 +184,8 @@ def parse(message: torch.Tensor, host_views: bool = False) -> tuple[Header, list
                             f"exact={h.exceptions}")
     if h.sections > 8:
         raise EbFormatError(f"eb: {h.sections} sections; a message has at most 6")
+    zstd_only = h.kind == QUANTIZED and h.flags & (FLAG_ZSTD | FLAG_EXCEPTIONS) == FLAG_ZSTD
+    numpy_views = on_host and host_views and zstd_only
     sections, pos = [], HEADER_SIZE
     for i in range(h.sections):
         if pos + 4 > n:
@@ -195,7 +197,7 @@ def parse(message: torch.Tensor, host_views: bool = False) -> tuple[Header, list
         pos += 4
         if length < 0 or pos + length > n:
             raise EbFormatError(f"eb: section {i} of {length} bytes runs past the end of a {n}-byte message")
-        sections.append(buf[pos : pos + length] if on_host and host_views else message[pos : pos + length])
+        sections.append(buf[pos : pos + length] if numpy_views else message[pos : pos + length])
         pos += length
     if pos != n:
         raise EbFormatError(f"eb: {n - pos} trailing bytes after the last section")

@@ -111,13 +111,8 @@ def quantize_safe(x: np.ndarray, eb_abs: float, lo: float, hi: float
     levels = qmax - qmin + 1
     if max(abs(qmin), abs(qmax)) >= MAX_INDEX or levels > MAX_LEVELS or levels < 2:
         return None
-    if levels <= 256:
-        codes, counts = native.quantize_u8(x, inv32, qmin, qmax)
-        return codes, step, qmin, levels, counts
-    q = np.multiply(x, inv32)
-    np.rint(q, out=q)
-    q -= np.float32(qmin)
-    return q.astype(np.int32), step, qmin, levels, None
+    codes, counts = native.quantize(x, inv32, qmin, qmax)
+    return codes, step, qmin, levels, counts
 
 
 def encode_body(codes: np.ndarray, qmin: int, levels: int, pairs_max_escapes: float,

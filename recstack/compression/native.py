@@ -53,14 +53,18 @@ def profile(counts: np.ndarray, center: int) -> tuple[float, float]:
     return _c.profile(counts, center)
 
 
-def quantize_u8(x: np.ndarray, inv32: np.float32, qmin: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """x [N, D] float32 on the grid [qmin, qmax] of at most 256 levels -> (codes [N, D] uint8 =
-    rint(x * inv) - qmin, counts [256] int64 of the even sample of codes that ``packing.code_profile`` takes)."""
+def quantize(x: np.ndarray, inv32: np.float32, qmin: int, qmax: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """x [N, D] float32 on the grid [qmin, qmax] -> (codes [N, D] = rint(x * inv) - qmin, uint8 up to 256
+    levels and int32 above; counts [256] int64 of the even sample of codes that ``packing.code_profile``
+    takes, None above 256 levels)."""
     stride = max(1, x.size // PROFILE_SAMPLE)
-    if _c is None or max(abs(qmin), abs(qmax)) >= NATIVE_MAX_INDEX:
+    narrow = qmax - qmin < 256
+    if _c is None or not narrow or max(abs(qmin), abs(qmax)) >= NATIVE_MAX_INDEX:
         q = np.multiply(x, inv32)
         np.rint(q, out=q)
         q -= np.float32(qmin)
+        if not narrow:
+            return q.astype(np.int32), None
         codes = q.astype(np.uint8)
         return codes, np.bincount(codes.reshape(-1)[::stride], minlength=256)
     codes = np.empty(x.shape, np.uint8)
@@ -89,7 +93,7 @@ def pair_dequantize(packed: np.ndarray, escaped: np.ndarray, n: int, center: int
     if _c is None:
         from recstack.compression.packing import pair_decode
 
-        return dequantize_u8(pair_decode(packed, escaped, n, center), qmin, step32, levels)
+        return dequantize(pair_decode(packed, escaped, n, center), qmin, step32, levels)
     if packed.size * 2 < n:
         _check(-3, 0, n=n, size=packed.size)
     out = np.empty(n, np.float32)
@@ -98,10 +102,10 @@ def pair_dequantize(packed: np.ndarray, escaped: np.ndarray, n: int, center: int
     return out
 
 
-def dequantize_u8(codes: np.ndarray, qmin: int, step32: np.float32, levels: int) -> np.ndarray:
-    """uint8 codes [n] -> float32 values [n] ((code + qmin) * step, in float32); EbFormatError for a code
-    outside the levels."""
-    if _c is None:
+def dequantize(codes: np.ndarray, qmin: int, step32: np.float32, levels: int) -> np.ndarray:
+    """Codes [n] (uint8, or int32 above 256 levels) -> float32 values [n] ((code + qmin) * step, in float32);
+    EbFormatError for a code outside the levels."""
+    if _c is None or codes.dtype != np.uint8:
         if codes.size and int(codes.max()) >= levels:
             _check(-2, 0, levels)
         values = codes.astype(np.float32)

@@ -61,8 +61,10 @@ def finite_range(x: torch.Tensor) -> tuple[float, float, bool]:
     """-> (min, max) over the finite values of x (nan, nan when there are none), and whether all are finite."""
     if x.numel() == 0:
         return math.nan, math.nan, True
-    if x.device.type == "cpu" and x.dtype == torch.float32 and native.available():
-        return native.finite_range(x.numpy())  # one pass, and a fraction of aminmax's call overhead
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        fast = native.finite_range(x.numpy())  # one pass, and a fraction of aminmax's call overhead
+        if fast is not None:
+            return fast
     lo, hi = torch.aminmax(x)
     lo_f, hi_f = float(lo), float(hi)
     if math.isfinite(lo_f) and math.isfinite(hi_f):  # NaN propagates through aminmax, Inf shows as a bound

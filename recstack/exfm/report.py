@@ -114,7 +114,7 @@ def markdown(summary: dict[str, Any], vertical_names: list[str]) -> str:
     if summary["sa_advantage"]:
         lines += ["", "| staleness | arm | minus | NE gain points (mean ± sd over seeds) |", "|---|---|---|---|"]
         for r in summary["sa_advantage"]:
-            lines.append(f"| {r['staleness']} | {ARM_TITLES[r.get('arm', 'aux_sa')]} | {ARM_TITLES[r['versus']]} "
+            lines.append(f"| {r['staleness']} | {ARM_TITLES[r['arm']]} | {ARM_TITLES[r['versus']]} "
                          f"| {_fmt(r['points'])} |")
     return "\n".join(lines) + "\n"
 
