@@ -133,6 +133,16 @@ def test_message_describes_itself_and_is_small_for_embedding_rows():
     assert x.numel() * 4 / msg.numel() > 50  # 40 distinct rows out of 2048
 
 
+@pytest.mark.parametrize("lossless", LAYOUTS)
+def test_more_distinct_rows_than_16_bit_tokens_hold(lossless):
+    """70,000 distinct rows repeated to 200,000: deduplication would pay, but its row tokens are 16-bit in
+    the zstd layouts, so the encoder must not use it there (it once wrapped the tokens and decoded garbage)."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 4, (70_000, 16), generator=g).float()
+    x = base[torch.cat([torch.arange(70_000), torch.randint(0, 70_000, (130_000,), generator=g)])]
+    msg, info = encode_with_info(x, 0.1, lossless=lossless)
+    assert float((decode(msg) - x).abs().max()) <= info.eb_abs
+
 def test_half_precision_inputs_and_bad_arguments():
     x = torch.randn(16, 8).to(torch.float16)
     y = decode(encode(x, 0.01))

@@ -240,7 +240,7 @@ def decode(message: torch.Tensor) -> torch.Tensor:
     if bool(f & FLAG_EXCEPTIONS) != (h.exceptions > 0):
         raise EbFormatError(f"eb: {h.exceptions} exact values but flags {f:#x}")
     u = h.unique_rows if f & FLAG_DEDUP else n
-    if u != h.unique_rows or (n and not u):
+    if u != h.unique_rows or (n and not u) or (f & FLAG_DEDUP and f & FLAG_ZSTD and u > pk.MAX_DISTINCT_ROWS):
         raise EbFormatError(f"eb: {h.unique_rows} distinct rows for {n} rows")
     wide = bool(f & FLAG_WIDE)
     if f & FLAG_ZSTD:

@@ -78,10 +78,13 @@ def _row_words(codes: torch.Tensor) -> torch.Tensor:
     return rows.contiguous().view(torch.int64)
 
 
+MAX_DISTINCT_ROWS = 0xFFFF  # row tokens (0..U) travel as 16-bit byte planes in the zstd layouts
+
+
 def dedup_pays(n: int, u: int, row_bits: float) -> bool:
     """Whether sending U distinct rows of ``row_bits`` bits plus an index of log2(U) bits per row beats
-    sending all N rows."""
-    return u < n and (n - u) * row_bits > n * math.log2(max(u, 2))
+    sending all N rows (and the tokens fit in 16 bits)."""
+    return u < n and u <= MAX_DISTINCT_ROWS and (n - u) * row_bits > n * math.log2(max(u, 2))
 
 
 def dedup_rows(codes: torch.Tensor, row_bits: float) -> tuple[torch.Tensor, torch.Tensor] | None:
