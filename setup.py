@@ -1,4 +1,5 @@
-"""The one compiled part of recstack: host kernels of the eb codec (recstack/compression/_ebhost.c).
+"""The one compiled part of recstack: host loops of the eb codec (recstack/compression/_ebkernels.c,
+bound to Python by _ebhost.c).
 
 Optional: without a C compiler the build goes on and recstack uses the numpy versions of the same loops
 (same messages, slower). No FMA contraction, so that the C loops round exactly like numpy's float32 code.
@@ -10,7 +11,8 @@ setup(
     ext_modules=[
         Extension(
             "recstack.compression._ebhost",
-            ["recstack/compression/_ebhost.c"],
+            ["recstack/compression/_ebhost.c", "recstack/compression/_ebkernels.c"],
+            depends=["recstack/compression/_ebkernels.h"],
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"],
             optional=True,
         )

@@ -95,7 +95,7 @@ def test_host_and_tensor_paths_write_the_same_values(rows, cols, distinct, seed,
         x = (x * rng.exponential(1.0, (rows, 1)) ** 4).astype(np.float32)
     t = torch.from_numpy(x)
     fast = encode(t, bound, lossless="zstd")
-    with mock.patch.object(eb_module, "_encode_host", return_value=None):
+    with mock.patch.object(eb_module, "_host_message", return_value=None):
         slow = encode(t, bound, lossless="zstd")
         packed = encode(t, bound, lossless="bitpack")
     assert torch.equal(decode(fast), decode(slow)) and describe(fast).kind == describe(slow).kind

@@ -58,12 +58,9 @@ def test_grid_quantize_profile_and_pairs_match_numpy(n, levels, seed) -> None:
     lo, hi, step32 = -rng.uniform(0, 10), rng.uniform(0, 10), float(np.float32(rng.uniform(1e-3, 1)))
     assert tuple(map(float, native.grid(lo, hi, step32))) == tuple(map(float, numpy_only(native.grid, lo, hi, step32)))
     assert native.profile(counts, center) == pytest.approx(pk.profile_from_counts(counts, center), rel=1e-9)
-    values = native.pair_dequantize(packed, escaped, n, center, qmin, step, levels)
-    want_values = numpy_only(native.pair_dequantize, packed, escaped, n, center, qmin, step, levels)
-    assert values.tobytes() == want_values.tobytes()
-    flat = got.reshape(-1)
-    assert native.dequantize(flat, qmin, step, levels).tobytes() == numpy_only(
-        native.dequantize, flat, qmin, step, levels).tobytes()
+    for layout, stream in (("pairs", np.concatenate([packed, escaped])), ("bytes", got.reshape(-1))):
+        args = (stream, None, n, 1, n, layout, center, qmin, step, levels)
+        assert native.decode_rows(*args).tobytes() == numpy_only(native.decode_rows, *args).tobytes()
 
 
 @needs_native
@@ -106,6 +103,9 @@ def test_expand_matches_numpy_and_rejects_bad_tokens(n, u, d, seed, corrupt) -> 
             native.expand_rows(values, raw, n, wide)
         return
     assert native.expand_rows(values, raw, n, wide).tobytes() == want.tobytes()
+    codes = rng.integers(0, 16, (u, d)).astype(np.uint8)  # the same tokens through the fused decoder
+    args = (codes.reshape(-1), raw, n, d, u, "bytes", 0, -3, np.float32(0.5), 16)
+    assert native.decode_rows(*args).tobytes() == numpy_only(native.decode_rows, *args).tobytes()
 
 
 @needs_native
@@ -128,21 +128,26 @@ def test_word_sums_match_numpy_at_any_alignment(data, offset) -> None:
 
 
 @needs_native
-def test_decoders_reject_bad_escapes_and_codes() -> None:
+@pytest.mark.parametrize("kernels", [True, False])
+def test_decoders_reject_bad_escapes_and_codes(kernels) -> None:
+    def rows(stream, n, levels, layout="pairs"):
+        args = (stream, None, n, 1, n, layout, 3, 0, np.float32(1), levels)
+        return native.decode_rows(*args) if kernels else numpy_only(native.decode_rows, *args)
+
     packed, escaped = pk.pair_encode(np.array([3, 40, 3, 3], np.uint8), 3)
     with pytest.raises(EbFormatError, match="escape"):
-        native.pair_dequantize(packed, escaped[:0], 4, 3, 0, np.float32(1), 64)
+        rows(packed, 4, 64)
     with pytest.raises(EbFormatError, match="escape"):
-        native.pair_dequantize(packed, np.concatenate([escaped, escaped]), 4, 3, 0, np.float32(1), 64)
+        rows(np.concatenate([packed, escaped, escaped]), 4, 64)
     with pytest.raises(EbFormatError, match="outside the 40 levels"):
-        native.pair_dequantize(packed, escaped, 4, 3, 0, np.float32(1), 40)
+        rows(np.concatenate([packed, escaped]), 4, 40)
     with pytest.raises(EbFormatError, match="outside the 3 levels"):
-        native.dequantize(np.array([0, 1, 3], np.uint8), 0, np.float32(1), 3)
+        rows(np.array([0, 1, 3], np.uint8), 3, 3, "bytes")
     many = np.full(40, 90, np.uint8)  # 40 escapes: counts beyond any small field
     packed, escaped = pk.pair_encode(many, 3)
-    assert native.pair_dequantize(packed, escaped, 40, 3, 0, np.float32(1), 128).tolist() == [90.0] * 40
+    assert rows(np.concatenate([packed, escaped]), 40, 128).ravel().tolist() == [90.0] * 40
     with pytest.raises(EbFormatError, match="cannot hold"):
-        native.pair_dequantize(packed[:1], escaped, 4, 3, 0, np.float32(1), 64)
+        rows(packed[:1], 4, 64)
 
 
 @needs_native
@@ -158,3 +163,35 @@ def test_messages_are_the_same_bytes_without_the_kernels(kind) -> None:
     slow = numpy_only(eb.encode, t, 0.03)
     assert torch.equal(fast, slow)
     assert torch.equal(eb.decode(fast), numpy_only(eb.decode, fast))
+
+
+@needs_native
+@SETTINGS
+@given(n=st.integers(1, 700), d=st.integers(1, 40), distinct=st.integers(1, 400), peaked=st.booleans(),
+       bound=st.sampled_from([0.001, 0.005, 0.03, 0.2]), relative=st.booleans(), nan=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_fused_front_writes_what_the_composed_path_writes(n, d, distinct, peaked, bound, relative, nan, seed) -> None:
+    """encode_fused (one C call) against encode_composed (the C loops one by one): the same grid, layout,
+    distinct rows and bytes; where it declines (NaN, more than 256 levels) the composed path decides."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(distinct, d)).astype(np.float32)[rng.integers(0, distinct, n)]
+    if peaked:  # gradient-like: most codes at the centre, a few far out (escapes, the paired layout)
+        x = (x * rng.exponential(1.0, (n, 1)) ** 4).astype(np.float32)
+    if nan:
+        x[rng.integers(0, n), rng.integers(0, d)] = np.nan
+    fin = x[np.isfinite(x)]
+    if not relative and fin.size:
+        bound *= float(fin.max() - fin.min()) or 1.0
+    (lo, hi, finite), body = host.encode_fused(x, bound, relative, eb.PAIRS_MAX_ESCAPES)
+    expect = finite_range(torch.from_numpy(x))
+    assert finite == expect[2] and np.array_equal(np.float32([lo, hi]), np.float32(expect[:2]), equal_nan=True)
+    eb_abs = bound * (hi - lo) if relative else bound
+    composed = host.encode_composed(x, eb_abs, lo, hi, eb.PAIRS_MAX_ESCAPES) if finite else None
+    if body is None:
+        assert nan or composed is None or composed.levels > 256
+        return
+    assert composed is not None
+    for field in ("eb_abs", "step", "qmin", "levels", "flags", "unique", "center", "layout"):
+        assert getattr(body, field) == getattr(composed, field), field
+    assert np.array_equal(body.codes, composed.codes)
+    assert body.sections == composed.sections

@@ -70,6 +70,8 @@ def _as_matrix(x: torch.Tensor) -> tuple[torch.Tensor, int]:
         raise ValueError(f"eb: expected float32, float16 or bfloat16 values, got {x.dtype}")
     if x.numel() >= 1 << 31:
         raise ValueError(f"eb: {x.numel()} values exceed the 2**31 a message can hold")
+    if x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad:
+        return x, DTYPE_CODES[x.dtype]  # detach() alone costs a microsecond or two per message
     return x.detach().to(torch.float32).contiguous(), DTYPE_CODES[x.dtype]
 
 
@@ -90,11 +92,17 @@ def encode_with_info(x: torch.Tensor, bound: float, relative: bool = True, lossl
     x32, dtype_code = _as_matrix(x)
     n, d = x32.shape
     raw_bytes = n * d * 4
-    lo, hi, all_finite = finite_range(x32)
-    eb_abs = absolute_bound(bound, relative, lo, hi)
     flags = FLAG_REL if relative else 0
-    if all_finite and x32.numel() and x32.device.type == "cpu" and lossless != "bitpack":
-        done = _encode_host(x32, bound, eb_abs, lo, hi, dtype_code, flags, want_recon)
+    host_x = x32.numpy() if x32.numel() and x32.is_cpu and lossless != "bitpack" else None
+    # The host path: one C call where it can (encode_fused), else numpy and the C loops one by one.
+    front = host.encode_fused(host_x, bound, relative, PAIRS_MAX_ESCAPES) if host_x is not None else None
+    body = front[1] if front is not None else None
+    lo, hi, all_finite = front[0] if front is not None else finite_range(x32)
+    eb_abs = absolute_bound(bound, relative, lo, hi)
+    if body is None and host_x is not None and all_finite:
+        body = host.encode_composed(host_x, eb_abs, lo, hi, PAIRS_MAX_ESCAPES)
+    if body is not None:
+        done = _host_message(body, n, d, bound, dtype_code, flags, want_recon)
         if done is not None:
             return done
     qz = quantize(x32, eb_abs, lo, hi, all_finite, want_recon) if x32.numel() else None
@@ -113,26 +121,21 @@ def encode_with_info(x: torch.Tensor, bound: float, relative: bool = True, lossl
     return msg, EncodeInfo(msg.numel(), raw_bytes, 0.0, "raw", 0, n, 0, x32 if want_recon else None)
 
 
-def _encode_host(x32: torch.Tensor, bound: float, eb_abs: float, lo: float, hi: float, dtype_code: int, flags: int,
-                 want_recon: bool) -> tuple[torch.Tensor, EncodeInfo] | None:
-    """The host fast path (numpy and the C loops of ``native``) for finite CPU values on a grid that needs no
-    value check; None: not applicable."""
-    r = host.quantize_safe(x32.numpy(), eb_abs, lo, hi)
-    if r is None:
-        return None
-    codes, step, qmin, levels, counts = r
-    body_flags, unique, center, sections, layout = host.encode_body(codes, qmin, levels, PAIRS_MAX_ESCAPES, counts)
-    n, d = x32.shape
-    size = HEADER_SIZE + sum(4 + s.nbytes for s in sections)
+def _host_message(b: host.HostBody, n: int, d: int, bound: float, dtype_code: int, flags: int, want_recon: bool
+                  ) -> tuple[torch.Tensor, EncodeInfo] | None:
+    """A host body -> (message, info); None when it would not be smaller than the values (the general path
+    then sends a lossless copy)."""
+    size = HEADER_SIZE + sum(4 + len(s) for s in b.sections)
     if size >= HEADER_SIZE + 4 + n * d * 4:
-        return None  # let the general path decide (it falls back to a lossless copy)
-    header = Header(dtype_code, QUANTIZED, body_flags | flags, n, d, float(bound), eb_abs, step, qmin, levels, unique,
-                    0, 0, center)
-    msg = torch.frombuffer(host.assemble(header, sections), dtype=torch.uint8)
+        return None
+    header = Header(dtype_code, QUANTIZED, b.flags | flags, n, d, float(bound), b.eb_abs, b.step, b.qmin, b.levels,
+                    b.unique, 0, 0, b.center)
+    msg = torch.frombuffer(host.assemble(header, b.sections), dtype=torch.uint8)
     recon = None
     if want_recon:
-        recon = dequantize(torch.from_numpy(codes), Grid(eb_abs, step, float(np.float32(step)), qmin, levels))
-    return msg, EncodeInfo(msg.numel(), n * d * 4, eb_abs, layout, levels, unique, 0, recon)
+        grid = Grid(b.eb_abs, b.step, float(np.float32(b.step)), b.qmin, b.levels)
+        recon = dequantize(torch.from_numpy(b.codes), grid)
+    return msg, EncodeInfo(msg.numel(), n * d * 4, b.eb_abs, b.layout, b.levels, b.unique, 0, recon)
 
 
 def lossless_copy(x: torch.Tensor) -> torch.Tensor:
@@ -184,26 +187,18 @@ def _quantized_body(qz, n: int, d: int, use_zstd: bool) -> tuple[Header, list[to
 
 
 def _decode_zstd(h: Header, secs: list, u: int, d: int, wide: bool) -> tuple[torch.Tensor, int]:
-    """The zstd layouts, decoded on the host with numpy -> (values [N, D] float32 on the CPU, next section)."""
-    n = h.rows
-    step32 = np.float32(h.step)  # the same float32 arithmetic as ``dequantize``
-    if h.flags & FLAG_PAIRS:
-        half = -(-u * d // 2)
-        stream = pk.zstd_unpack(secs[0], -1, "code", limit=half + u * d)  # nibbles, then escaped codes
-        if stream.size < half:
-            raise EbFormatError(f"eb: code stream of {stream.size} bytes, expected at least {half}")
-        values = native.pair_dequantize(stream[:half], stream[half:], u * d, h.center, h.qmin, step32, h.levels)
-        pos = 1
+    """The zstd layouts, decoded on the host -> (values [N, D] float32 on the CPU, next section)."""
+    n, m = h.rows, u * d
+    if h.flags & FLAG_PAIRS:  # nibbles, then escaped codes
+        layout, stream = "pairs", pk.zstd_unpack(secs[0], -1, "code", limit=(m + 1) // 2 + m)
     else:
-        c, pos = pk.from_planes(pk.zstd_unpack(secs[0], u * d * (2 if wide else 1), "code"), u * d, wide), 1
-        values = native.dequantize(c, h.qmin, step32, h.levels)
-    values = values.reshape(u, d)
+        layout, stream = ("wide" if wide else "bytes"), pk.zstd_unpack(secs[0], m * (2 if wide else 1), "code")
+    tokens = None
     if h.flags & FLAG_DEDUP:
-        wide_index = u + 1 > 256
-        raw = pk.zstd_unpack(secs[pos], n * (2 if wide_index else 1), "row index")
-        values = native.expand_rows(values, raw, n, wide_index)
-        pos += 1
-    return torch.from_numpy(values), pos
+        tokens = pk.zstd_unpack(secs[1], n * (2 if u + 1 > 256 else 1), "row index")
+    # np.float32(step): the same float32 arithmetic as ``dequantize``
+    values = native.decode_rows(stream, tokens, n, d, u, layout, h.center, h.qmin, np.float32(h.step), h.levels)
+    return torch.from_numpy(values), 1 + (tokens is not None)
 
 
 def _view(section: torch.Tensor, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
@@ -245,7 +240,7 @@ def decode(message: torch.Tensor) -> torch.Tensor:
     wide = bool(f & FLAG_WIDE)
     if f & FLAG_ZSTD:
         values, pos = _decode_zstd(h, secs, u, d, wide)
-        if message.device.type != "cpu":
+        if not message.is_cpu:
             values = values.to(message.device)
     else:
         grid = Grid(h.eb_abs, h.step, float(np.float32(h.step)), h.qmin, h.levels)
@@ -263,4 +258,4 @@ def decode(message: torch.Tensor) -> torch.Tensor:
         if int(where.min()) < 0 or int(where.max()) >= n * d:
             raise EbFormatError(f"eb: an exact-value position is outside the {n}x{d} values")
         values.view(-1)[where] = exact
-    return values.view(n, d)
+    return values if values.shape == (n, d) else values.view(n, d)

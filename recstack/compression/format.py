@@ -42,6 +42,8 @@ MAGIC = b"RSEB"
 VERSION = 2
 HEADER = struct.Struct("<4sBBBBIIdddiIIIII")  # everything before the checksum
 HEADER_SIZE = HEADER.size + 8  # + uint64 checksum
+_CHECKSUM = struct.Struct("<Q")
+_LENGTH = struct.Struct("<i")
 assert HEADER_SIZE == 72
 
 RAW, QUANTIZED = 0, 1
@@ -163,15 +165,15 @@ def parse(message: torch.Tensor, host_views: bool = False) -> tuple[Header, list
     n = message.numel()
     if n < HEADER_SIZE:
         raise EbFormatError(f"eb: message of {n} bytes is shorter than the {HEADER_SIZE}-byte header (truncated?)")
-    on_host = message.device.type == "cpu"
+    on_host = message.is_cpu
     buf = message.numpy() if on_host else None  # the host reads headers and lengths without tensor ops
     head = buf[:HEADER_SIZE].tobytes() if on_host else bytes(message[:HEADER_SIZE].cpu().numpy())
-    fields = HEADER.unpack(head[: HEADER.size])
+    fields = HEADER.unpack_from(head)
     if fields[0] != MAGIC:
         raise EbFormatError(f"eb: bad magic {fields[0]!r} (expected {MAGIC!r}): not an error-bounded message")
     if fields[1] != VERSION:
         raise EbFormatError(f"eb: message format version {fields[1]}, this build reads version {VERSION}")
-    stored = struct.unpack("<Q", head[HEADER.size :])[0]
+    stored = _CHECKSUM.unpack_from(head, HEADER.size)[0]
     body_sum = checksum_np(buf[HEADER_SIZE:]) if on_host else checksum(message[HEADER_SIZE:])
     if _combine(head, body_sum) != stored:
         raise EbFormatError(f"eb: checksum mismatch in a {n}-byte message (corrupt or truncated)")
@@ -191,7 +193,7 @@ def parse(message: torch.Tensor, host_views: bool = False) -> tuple[Header, list
         if pos + 4 > n:
             raise EbFormatError(f"eb: section {i} length runs past the end of a {n}-byte message")
         if on_host:
-            length = struct.unpack_from("<i", buf, pos)[0]
+            length = _LENGTH.unpack_from(buf, pos)[0]
         else:
             length = struct.unpack("<i", bytes(message[pos : pos + 4].cpu().numpy()))[0]
         pos += 4

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,20 +30,19 @@ from recstack.compression.quantize import FLOAT32_MAX, MAX_INDEX, MAX_LEVELS, SA
 _MULT = np.random.default_rng(0x5EB).integers(1, 2**63, 64, dtype=np.uint64) | np.uint64(1)
 
 
-def assemble(header: Header, sections: list[np.ndarray]) -> bytearray:
+_LENGTH = struct.Struct("<I")
+
+
+def assemble(header: Header, sections: list[bytes]) -> bytearray:
     """Header + length-prefixed sections -> one checksummed message (a writable buffer)."""
     header.sections = len(sections)
-    total = HEADER_SIZE + sum(4 + s.nbytes for s in sections)
-    out = bytearray(total)
-    view = memoryview(out)
-    pos = HEADER_SIZE
+    parts = [bytes(HEADER_SIZE)]
     for s in sections:
-        view[pos : pos + 4] = struct.pack("<I", s.nbytes)
-        view[pos + 4 : pos + 4 + s.nbytes] = s.reshape(-1).view(np.uint8).data
-        pos += 4 + s.nbytes
+        parts += (_LENGTH.pack(len(s)), s)
+    out = bytearray().join(parts)
     head = header.pack()
     head += struct.pack("<Q", message_checksum_np(head, np.frombuffer(out, np.uint8, offset=HEADER_SIZE)))
-    view[:HEADER_SIZE] = head
+    out[:HEADER_SIZE] = head
     return out
 
 
@@ -94,6 +94,51 @@ def dedup_rows(codes: np.ndarray, row_bits: float) -> tuple[np.ndarray, np.ndarr
     return codes[np.flatnonzero(is_first)], tokens
 
 
+@dataclass
+class HostBody:
+    """A quantized message body in a zstd layout, written on the host."""
+
+    eb_abs: float
+    step: float
+    qmin: int
+    levels: int
+    flags: int
+    unique: int  # distinct rows sent
+    center: int
+    sections: list[bytes]  # zstd frames
+    layout: str  # bytes | pairs
+    codes: np.ndarray  # [N, D] every code (for the reconstruction)
+
+
+def encode_fused(x: np.ndarray, bound: float, relative: bool, pairs_max_escapes: float
+                 ) -> tuple[tuple[float, float, bool], HostBody | None] | None:
+    """x [N, D] float32 -> ((lo, hi, all finite), the body of ``encode_composed``, or None where that path
+    has to decide), built by one C call and the zstd frames; None without the C loops."""
+    front = native.encode_front(x, bound, relative, TIGHTEN, SAFE_RATIO, pairs_max_escapes, pk.MAX_DISTINCT_ROWS)
+    if front is None or front[1] is None:
+        return front
+    f = front[1]
+    flags = FLAG_ZSTD | (FLAG_PAIRS if f.pairs else 0)
+    sections = [_frame(f.stream)]
+    if f.tokens is not None:
+        flags |= FLAG_DEDUP
+        sections.append(_frame(f.tokens))
+    return front[0], HostBody(f.eb_abs, f.step, f.qmin, f.levels, flags, f.unique, f.center, sections,
+                              "pairs" if f.pairs else "bytes", f.codes)
+
+
+def encode_composed(x: np.ndarray, eb_abs: float, lo: float, hi: float, pairs_max_escapes: float
+                    ) -> HostBody | None:
+    """Finite x [N, D] float32 with range [lo, hi] -> its body at eb_abs, or None when the tensor path has to
+    handle it (see ``quantize_safe``)."""
+    r = quantize_safe(x, eb_abs, lo, hi)
+    if r is None:
+        return None
+    codes, step, qmin, levels, counts = r
+    flags, unique, center, sections, layout = encode_body(codes, qmin, levels, pairs_max_escapes, counts)
+    return HostBody(eb_abs, step, qmin, levels, flags, unique, center, sections, layout, codes)
+
+
 def quantize_safe(x: np.ndarray, eb_abs: float, lo: float, hi: float
                   ) -> tuple[np.ndarray, float, int, int, np.ndarray | None] | None:
     """Finite x whose grid needs no value check (see quantize.SAFE_RATIO) -> (codes, step, qmin, levels, the
@@ -116,7 +161,7 @@ def quantize_safe(x: np.ndarray, eb_abs: float, lo: float, hi: float
 
 
 def encode_body(codes: np.ndarray, qmin: int, levels: int, pairs_max_escapes: float,
-                counts: np.ndarray | None = None) -> tuple[int, int, int, list[np.ndarray], str]:
+                counts: np.ndarray | None = None) -> tuple[int, int, int, list[bytes], str]:
     """codes [N, D] -> (flags, distinct rows, centre, sections, layout) of the zstd layouts. ``counts``: the
     codes of ``code_profile``'s sample counted already (by ``quantize_safe``)."""
     wide = levels > 256
@@ -130,7 +175,7 @@ def encode_body(codes: np.ndarray, qmin: int, levels: int, pairs_max_escapes: fl
         bits, escapes = pk.code_profile(codes, levels, center)
     rows = dedup_rows(codes, codes.shape[1] * max(bits, 1.0))
     c, index = rows if rows is not None else (codes, None)
-    sections: list[np.ndarray] = []
+    sections: list[bytes] = []
     layout = "bytes"
     if 1 < levels <= 128 and escapes <= pairs_max_escapes:
         sections.append(_frame(native.pair_stream(c, center)))
@@ -145,5 +190,5 @@ def encode_body(codes: np.ndarray, qmin: int, levels: int, pairs_max_escapes: fl
     return flags, c.shape[0], center, sections, layout
 
 
-def _frame(a: np.ndarray) -> np.ndarray:
-    return np.frombuffer(pk.zstd_contexts()[0].compress(np.ascontiguousarray(a)), np.uint8)
+def _frame(a: np.ndarray) -> bytes:
+    return pk.zstd_contexts()[0].compress(np.ascontiguousarray(a))

@@ -1,14 +1,18 @@
-"""The C loops of the host path (``_ebhost.c``), with the numpy code they replace as the fallback.
+"""The C loops of the host path (``_ebkernels.c``, bound by ``_ebhost.c``), with the numpy code they replace
+as the fallback.
 
 Every function here returns what its numpy twin returns (the entropy estimate of ``profile`` up to float
 rounding; tests compare them on random inputs), so a machine without the compiled module writes and reads
-the same messages, only slower. ``RECSTACK_NO_NATIVE=1`` switches the C loops off, for comparisons. Inputs
-are checked by the callers: arrays of the stated dtypes, codes within 256 levels.
+the same messages, only slower. Two calls do a whole message's work where they can: ``encode_front`` (its
+twin is ``host.encode_composed``, the C loops one by one) and ``decode_rows``. ``RECSTACK_NO_NATIVE=1``
+switches the C loops off, for comparisons. Inputs are checked by the callers: arrays of the stated dtypes,
+codes within 256 levels.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -73,6 +77,43 @@ def quantize(x: np.ndarray, inv32: np.float32, qmin: int, qmax: int) -> tuple[np
     return codes, counts
 
 
+class Front(NamedTuple):
+    """What ``encode_front`` built: the grid, every code [N, D] uint8, the layout's bytes of the distinct rows
+    (``stream``: nibble pairs then escapes when ``pairs``, else one byte per code) and the row tokens' byte
+    planes (None when deduplication does not pay)."""
+
+    eb_abs: float
+    step: float
+    qmin: int
+    levels: int
+    center: int
+    unique: int
+    codes: np.ndarray
+    stream: np.ndarray
+    tokens: np.ndarray | None
+    pairs: bool
+
+
+def encode_front(x: np.ndarray, bound: float, relative: bool, tighten: float, safe_ratio: float,
+                 pairs_max_escapes: float, max_distinct: int) -> tuple[tuple[float, float, bool], Front | None] | None:
+    """``host.encode_composed`` for x [N, D] float32 (N, D >= 1) in one C call -> ((lo, hi, all finite), Front,
+    or None where the composed path has to decide: values not all finite, a grid that is not safe, more than
+    256 levels). None without the C loops. The constants are the callers' (quantize, packing)."""
+    if _c is None:
+        return None
+    n, d = x.shape
+    codes = np.empty((n, d), np.uint8)
+    stream = np.empty(n * d + (n * d + 1) // 2, np.uint8)
+    tokens = np.empty(2 * n, np.uint8)
+    r = _c.encode_front(x, n, d, bound, relative, tighten, safe_ratio, NATIVE_MAX_INDEX, PROFILE_SAMPLE,
+                        pairs_max_escapes, max_distinct, codes, stream, tokens)
+    if len(r) == 3:
+        return r, None
+    lo, hi, finite, eb_abs, step, qmin, levels, center, u, stream_len, tokens_len, pairs = r
+    return (lo, hi, finite), Front(eb_abs, step, qmin, levels, center, u, codes, stream[:stream_len],
+                                   tokens[:tokens_len] if tokens_len else None, pairs)
+
+
 def pair_stream(codes: np.ndarray, center: int) -> np.ndarray:
     """``packing.pair_encode`` as one stream: the packed nibbles [ceil(n / 2)], then the escaped codes."""
     if _c is None:
@@ -86,36 +127,53 @@ def pair_stream(codes: np.ndarray, center: int) -> np.ndarray:
     return out[: half + e]
 
 
+def decode_rows(stream: np.ndarray, tokens: np.ndarray | None, n: int, d: int, u: int, layout: str, center: int,
+                qmin: int, step32: np.float32, levels: int) -> np.ndarray:
+    """The zstd layouts after zstd -> values [N, D] float32: ``stream`` holds the codes of the U distinct rows
+    (layout ``pairs``: nibble pairs then escaped codes; ``bytes``: a byte per code; ``wide``: low then high
+    byte planes), ``tokens`` the row tokens' byte planes (None: no deduplication, U = N). EbFormatError for
+    escapes that do not match, a code outside the levels, a short stream or tokens that do not describe U
+    rows."""
+    m = u * d
+    if _c is not None and layout != "wide":  # one C call
+        out = np.empty((n, d), np.float32)
+        status = _c.decode_rows(stream, _EMPTY if tokens is None else tokens, n, d, u, layout == "pairs", center,
+                                qmin, float(step32), levels, out)
+        if status:
+            _check(status, stream.size - (m + 1) // 2, levels=u if status == -4 else levels, n=m, size=stream.size)
+        return out
+    if layout == "pairs":
+        half = (m + 1) // 2
+        if stream.size < half:
+            _check(-3, 0, n=m, size=stream.size)
+        values = pair_dequantize(stream[:half], stream[half:], m, center, qmin, step32, levels)
+    else:
+        from recstack.compression.packing import from_planes
+
+        values = dequantize(from_planes(stream, m, layout == "wide"), qmin, step32, levels)
+    values = values.reshape(u, d)
+    return values if tokens is None else expand_rows(values, tokens, n, u + 1 > 256)
+
+
 def pair_dequantize(packed: np.ndarray, escaped: np.ndarray, n: int, center: int, qmin: int, step32: np.float32,
                     levels: int) -> np.ndarray:
-    """Nibble pairs + escaped codes -> float32 values [n] ((code + qmin) * step); EbFormatError for an
-    escape count that does not match or a code outside the levels."""
-    if _c is None:
-        from recstack.compression.packing import pair_decode
+    """Nibble pairs + escaped codes -> float32 values [n] ((code + qmin) * step), in numpy; EbFormatError for
+    an escape count that does not match or a code outside the levels."""
+    from recstack.compression.packing import pair_decode
 
-        return dequantize(pair_decode(packed, escaped, n, center), qmin, step32, levels)
-    if packed.size * 2 < n:
-        _check(-3, 0, n=n, size=packed.size)
-    out = np.empty(n, np.float32)
-    status = _c.pair_dequant(packed, n, int(center), escaped, int(qmin), float(step32), int(levels), out)
-    _check(status, escaped.size, levels)
-    return out
+    return dequantize(pair_decode(packed, escaped, n, center), qmin, step32, levels)
 
 
 def dequantize(codes: np.ndarray, qmin: int, step32: np.float32, levels: int) -> np.ndarray:
-    """Codes [n] (uint8, or int32 above 256 levels) -> float32 values [n] ((code + qmin) * step, in float32);
-    EbFormatError for a code outside the levels."""
-    if _c is None or codes.dtype != np.uint8:
-        if codes.size and int(codes.max()) >= levels:
-            _check(-2, 0, levels)
-        values = codes.astype(np.float32)
-        if qmin:
-            values += np.float32(qmin)
-        values *= step32
-        return values
-    out = np.empty(codes.size, np.float32)
-    _check(_c.byte_dequant(np.ascontiguousarray(codes), int(qmin), float(step32), int(levels), out), 0, levels)
-    return out
+    """Codes [n] (uint8, or int32 above 256 levels) -> float32 values [n] ((code + qmin) * step, in float32),
+    in numpy; EbFormatError for a code outside the levels."""
+    if codes.size and int(codes.max()) >= levels:
+        _check(-2, 0, levels)
+    values = codes.astype(np.float32)
+    if qmin:
+        values += np.float32(qmin)
+    values *= step32
+    return values
 
 
 def dedup_rows(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | None:
@@ -146,6 +204,7 @@ def expand_rows(values: np.ndarray, raw_tokens: np.ndarray, n: int, wide: bool) 
 
 
 _POS = np.zeros(0, np.uint64)
+_EMPTY = np.zeros(0, np.uint8)
 
 
 def word_sums(body: np.ndarray) -> tuple[int, int]:
@@ -163,6 +222,8 @@ def word_sums(body: np.ndarray) -> tuple[int, int]:
 
 
 def _check(status: int, escapes: int, levels: int = 0, n: int = 0, size: int = 0) -> None:
+    if not status:
+        return
     from recstack.compression.format import EbFormatError  # here: format imports this module
 
     if status == -1:
