@@ -107,6 +107,14 @@ def test_host_and_tensor_paths_write_the_same_values(rows, cols, distinct, seed,
         assert torch.equal(decode(fast), decode(packed))
 
 
+@SETTINGS
+@given(x=st.one_of(hnp.arrays(np.float32, shapes, elements=any32), hnp.arrays(np.float32, shapes, elements=finite32)),
+       bound=bounds, lossless=st.sampled_from(LAYOUTS))
+def test_reconstruction_for_error_feedback_is_what_decode_returns(x, bound, lossless):
+    msg, info = encode_with_info(torch.from_numpy(x), bound, lossless=lossless, want_recon=True)
+    torch.testing.assert_close(info.recon, decode(msg), rtol=0, atol=0, equal_nan=True)  # exact (0.0 == -0.0)
+
+
 @pytest.mark.parametrize("lossless", LAYOUTS)
 def test_constant_empty_and_special_tensors(lossless):
     for x in (np.full((7, 5), 3.25, np.float32), np.zeros((4, 4), np.float32), np.zeros((0, 8), np.float32),

@@ -132,9 +132,13 @@ def _host_message(b: host.HostBody, n: int, d: int, bound: float, dtype_code: in
                     b.unique, 0, 0, b.center)
     msg = torch.frombuffer(host.assemble(header, b.sections), dtype=torch.uint8)
     recon = None
-    if want_recon:
-        grid = Grid(b.eb_abs, b.step, float(np.float32(b.step)), b.qmin, b.levels)
-        recon = dequantize(torch.from_numpy(b.codes), grid)
+    if want_recon:  # what decode will return (error feedback): one C pass where the codes are bytes
+        step32, codes = np.float32(b.step), b.codes.reshape(-1)
+        if b.levels <= 256:
+            values = native.decode_rows(codes, None, n, d, n, "bytes", 0, b.qmin, step32, b.levels)
+        else:
+            values = native.dequantize(codes, b.qmin, step32, b.levels).reshape(n, d)
+        recon = torch.from_numpy(values)
     return msg, EncodeInfo(msg.numel(), n * d * 4, b.eb_abs, b.layout, b.levels, b.unique, 0, recon)
 
 
