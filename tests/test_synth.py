@@ -10,15 +10,11 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
+from recstack.data.click_model import ClickModel
 from recstack.data.format import PreparedDataset
-from recstack.data.synth import (
-    CRITEO_KAGGLE_TABLE_SIZES,
-    ClickModel,
-    SynthConfig,
-    generate,
-    streaming_auc,
-)
+from recstack.data.synth import CRITEO_KAGGLE_TABLE_SIZES, SynthConfig, generate
 from recstack.data.zipf import IdPermutation, keyed, scalar_key, uniform, zipf_mass_below, zipf_ranks
+from recstack.metrics import streaming_auc
 
 SMALL_TABLES = (50, 3, 1000, 20_000, 7, 300)
 
