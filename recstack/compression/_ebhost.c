@@ -30,25 +30,6 @@ static int need(Py_buffer *b, Py_ssize_t bytes, const char *what) {
             PyBuffer_Release(bufs_[k_]);                                     \
     } while (0)
 
-/* quantize(x f32[n], inv, qmin, codes u8[n] out, hist i64[256] out, stride) -> None */
-static PyObject *quantize(PyObject *self, PyObject *args) {
-    Py_buffer x, codes, hist;
-    float inv;
-    int qmin;
-    Py_ssize_t stride;
-    if (!PyArg_ParseTuple(args, "y*fiw*w*n", &x, &inv, &qmin, &codes, &hist, &stride)) return NULL;
-    Py_ssize_t n = x.len / 4;
-    PyObject *ret = NULL;
-    if (need(&codes, n, "codes") && need(&hist, 256 * 8, "hist")) {
-        Py_BEGIN_ALLOW_THREADS
-        eb_quantize((const float *)x.buf, n, inv, qmin, (uint8_t *)codes.buf, (int64_t *)hist.buf, stride);
-        Py_END_ALLOW_THREADS
-        ret = Py_NewRef(Py_None);
-    }
-    RELEASE(&x, &codes, &hist);
-    return ret;
-}
-
 /* pair_pack(codes u8[n], center, packed u8[ceil(n/2)] out, escaped u8[n] out) -> number of escapes */
 static PyObject *pair_pack(PyObject *self, PyObject *args) {
     Py_buffer codes, packed, escaped;
@@ -125,17 +106,6 @@ static PyObject *grid(PyObject *self, PyObject *args) {
     float inv, qmin, qmax;
     eb_grid(lo, hi, (float)step, &inv, &qmin, &qmax);
     return Py_BuildValue("ddd", (double)inv, (double)qmin, (double)qmax);
-}
-
-/* profile(counts i64[K], center) -> (order-0 entropy in bits per code, share more than 7 levels off centre) */
-static PyObject *profile(PyObject *self, PyObject *args) {
-    Py_buffer counts;
-    Py_ssize_t center;
-    if (!PyArg_ParseTuple(args, "y*n", &counts, &center)) return NULL;
-    double bits, escapes;
-    eb_profile((const int64_t *)counts.buf, counts.len / 8, center, &bits, &escapes);
-    PyBuffer_Release(&counts);
-    return Py_BuildValue("dd", bits, escapes);
 }
 
 /* word_sums(body) -> (sum of the little-endian uint32 words, sum of word * position from 1), mod 2**64 */
@@ -300,13 +270,11 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"quantize", quantize, METH_VARARGS, "codes = rint(x * inv) - qmin, and a histogram of codes[::stride]"},
     {"pair_pack", pair_pack, METH_VARARGS, "two nibbles per byte around a centre, escapes apart"},
     {"dedup", dedup, METH_VARARGS, "distinct rows in order of first occurrence, and a token per row"},
     {"expand", expand, METH_VARARGS, "distinct rows + row tokens -> every row"},
     {"minmax", minmax, METH_VARARGS, "range of the finite values, and whether all are finite"},
     {"grid", grid, METH_VARARGS, "float32 step, inverse and the code range of [lo, hi]"},
-    {"profile", profile, METH_VARARGS, "entropy and escape share of a code histogram"},
     {"word_sums", word_sums, METH_VARARGS, "plain and position-weighted sums of uint32 words"},
     {"encode_front", encode_front, METH_VARARGS, "the host encoder up to the entropy coder, in one call"},
     {"decode_rows", decode_rows, METH_VARARGS, "the host decoder after the entropy coder, in one call"},

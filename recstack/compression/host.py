@@ -170,7 +170,7 @@ def encode_body(codes: np.ndarray, qmin: int, levels: int, pairs_max_escapes: fl
     if wide:
         bits, escapes = math.log2(levels), 1.0
     elif counts is not None:
-        bits, escapes = native.profile(counts, center)
+        bits, escapes = pk.profile_from_counts(counts, center)
     else:
         bits, escapes = pk.code_profile(codes, levels, center)
     rows = dedup_rows(codes, codes.shape[1] * max(bits, 1.0))

@@ -1,12 +1,13 @@
 """The C loops of the host path (``_ebkernels.c``, bound by ``_ebhost.c``), with the numpy code they replace
 as the fallback.
 
-Every function here returns what its numpy twin returns (the entropy estimate of ``profile`` up to float
-rounding; tests compare them on random inputs), so a machine without the compiled module writes and reads
-the same messages, only slower. Two calls do a whole message's work where they can: ``encode_front`` (its
-twin is ``host.encode_composed``, the C loops one by one) and ``decode_rows``. ``RECSTACK_NO_NATIVE=1``
-switches the C loops off, for comparisons. Inputs are checked by the callers: arrays of the stated dtypes,
-codes within 256 levels.
+Every function here returns what its numpy twin returns (tests compare them on random inputs), so a
+machine without the compiled module writes and reads the same messages, only slower (the C entropy
+estimate inside ``encode_front`` may differ from numpy's in the last bits, which could only move a layout
+decision that sits exactly on its threshold). Two calls do a whole message's work where they can:
+``encode_front`` (its twin is ``host.encode_composed``, the C loops one by one) and ``decode_rows``.
+``RECSTACK_NO_NATIVE=1`` switches the C loops off, for comparisons. Inputs are checked by the callers:
+arrays of the stated dtypes, codes within 256 levels.
 """
 
 from __future__ import annotations
@@ -48,33 +49,18 @@ def grid(lo: float, hi: float, step32: float) -> tuple[np.float32, int, int]:
     return np.float32(inv), int(qmin), int(qmax)
 
 
-def profile(counts: np.ndarray, center: int) -> tuple[float, float]:
-    """``packing.profile_from_counts`` (counts int64)."""
-    if _c is None:
-        from recstack.compression.packing import profile_from_counts
-
-        return profile_from_counts(counts, center)
-    return _c.profile(counts, center)
-
-
 def quantize(x: np.ndarray, inv32: np.float32, qmin: int, qmax: int) -> tuple[np.ndarray, np.ndarray | None]:
     """x [N, D] float32 on the grid [qmin, qmax] -> (codes [N, D] = rint(x * inv) - qmin, uint8 up to 256
     levels and int32 above; counts [256] int64 of the even sample of codes that ``packing.code_profile``
-    takes, None above 256 levels)."""
-    stride = max(1, x.size // PROFILE_SAMPLE)
-    narrow = qmax - qmin < 256
-    if _c is None or not narrow or max(abs(qmin), abs(qmax)) >= NATIVE_MAX_INDEX:
-        q = np.multiply(x, inv32)
-        np.rint(q, out=q)
-        q -= np.float32(qmin)
-        if not narrow:
-            return q.astype(np.int32), None
-        codes = q.astype(np.uint8)
-        return codes, np.bincount(codes.reshape(-1)[::stride], minlength=256)
-    codes = np.empty(x.shape, np.uint8)
-    counts = np.empty(256, np.int64)
-    _c.quantize(np.ascontiguousarray(x), float(inv32), int(qmin), codes, counts, stride)
-    return codes, counts
+    takes, None above 256 levels). numpy only: with the C loops, ``encode_front`` quantizes every grid of
+    up to 256 levels in C (``eb_quantize``), so only wide grids and machines without them come here."""
+    q = np.multiply(x, inv32)
+    np.rint(q, out=q)
+    q -= np.float32(qmin)
+    if qmax - qmin >= 256:
+        return q.astype(np.int32), None
+    codes = q.astype(np.uint8)
+    return codes, np.bincount(codes.reshape(-1)[:: max(1, x.size // PROFILE_SAMPLE)], minlength=256)
 
 
 class Front(NamedTuple):
