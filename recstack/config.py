@@ -63,6 +63,11 @@ class OptimConfig:
     sparse_lr: float = 0.1
     eps: float = 1e-8
     adagrad_init: float = 0.0
+    # Both learning rates x a schedule (recstack.lr_schedule): linear warm-up from 0 over lr_warmup_steps, then
+    # from lr_decay_start_step a quadratic decay to 0 over lr_decay_steps (0 = none), as the DLRM reference.
+    lr_warmup_steps: int = 0
+    lr_decay_start_step: int = 0
+    lr_decay_steps: int = 0
 
 
 @dataclass
@@ -267,6 +272,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.batch_size and train.eval_batch_size: must be positive")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")
+    from recstack.lr_schedule import LRSchedule
+
+    try:
+        LRSchedule(o.lr_warmup_steps, o.lr_decay_start_step, o.lr_decay_steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     try:
         cfg.compression.validate()
     except ValueError as e:

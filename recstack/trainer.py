@@ -28,6 +28,7 @@ from recstack.data.batch import Batch
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.logger import MetricsLogger
+from recstack.lr_schedule import LRScaler, LRSchedule
 from recstack.metrics import BinaryMetrics, auc
 from recstack.models.build import build_dense_optimizer, build_model, capped_table_sizes
 from recstack.models.dlrm import DLRM
@@ -133,6 +134,9 @@ class Trainer:
             self._parallelize()
         self.compression.attach(self.model)  # eb codecs learn which table each chunk carries; --dump-a2a hook
         self.optimizer = build_dense_optimizer(cfg, self.model.dense_parameters())
+        o = cfg.optim
+        schedule = LRSchedule(o.lr_warmup_steps, o.lr_decay_start_step, o.lr_decay_steps)
+        self.lr = LRScaler(schedule, self.optimizer, self.model) if schedule.active else None
         self.total_steps = t.max_steps or t.epochs * len(self.train_loader)
         self.step = 0
         self.samples = 0
@@ -259,6 +263,7 @@ class Trainer:
         while self.step < self.total_steps:
             for batch in self.train_loader.iterate_epoch(limit=self.total_steps - self.step):
                 self.compression.begin_step(self.step)
+                lr_factor = self.lr.set_step(self.step) if self.lr is not None else None
                 started = time.perf_counter()
                 loss = self.train_step(batch)
                 now = time.perf_counter()
@@ -278,6 +283,8 @@ class Trainer:
                     sps = window_n * t.batch_size * self.world / max(now - window_t0, 1e-9)
                     values = {"loss": window_loss / window_n, "samples_per_sec": sps,
                               "time_data_wait": window_wait / window_n, "time_step": window_step / window_n}
+                    if lr_factor is not None:  # the schedule's factor at the window's last step
+                        values["lr_factor"] = lr_factor
                     stats = getattr(self.model.embeddings, "stats", None)
                     if stats is not None:  # bytes and seconds per collective since the last log line
                         values.update({k: v / window_n for k, v in stats.pop().items()})

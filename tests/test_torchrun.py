@@ -46,6 +46,22 @@ def test_torchrun_two_ranks_match_single(
     assert all(x["bytes_fwd_a2a"] > 0 and x["bytes_bwd_a2a"] > 0 for x in train_lines)
 
 
+def test_torchrun_learning_rate_schedule_matches_single(tiny_dataset: Path, tmp_path: Path) -> None:
+    """Warm-up and decay reach every rank's embedding shards and the DDP-wrapped dense part alike."""
+    sched = ["optim.lr_warmup_steps=20", "optim.lr_decay_start_step=30", "optim.lr_decay_steps=20",
+             'optim.sparse="rowwise_adagrad"', 'dist.sharding="row_wise"']
+    single = _train([sys.executable, "-m", "recstack"], tiny_dataset, tmp_path / "one",
+                    ["train.batch_size=128", *sched])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "recstack"]
+    two = _train(torchrun, tiny_dataset, tmp_path / "two", ["train.batch_size=64", *sched])
+    plain = _train([sys.executable, "-m", "recstack"], tiny_dataset, tmp_path / "plain",
+                   ["train.batch_size=128", 'optim.sparse="rowwise_adagrad"'])
+    assert two["world_size"] == 2 and single["logloss"] != plain["logloss"]  # the schedule changed the run
+    for k in ("auc", "logloss", "ne"):
+        assert two[k] == pytest.approx(single[k], abs=1e-5), k
+
+
 def test_planner_plan_trains_and_matches(tiny_dataset: Path, tmp_path: Path, single: dict) -> None:
     from recstack.cli import main
 

@@ -60,6 +60,7 @@ class SparseOptimizer:
 
     def __init__(self, config: SparseOptimizerConfig) -> None:
         self.config = config
+        self.lr_scale = 1.0  # set per step by a learning-rate schedule (recstack.lr_schedule)
 
     @property
     def needs_accumulator(self) -> bool:
@@ -77,7 +78,7 @@ class SparseOptimizer:
         if rows.numel() == 0:
             return
         grads = grads.to(weight.dtype)
-        lr = self.config.lr
+        lr = self.config.lr * self.lr_scale
         if self.config.kind == "sgd":
             if weight.is_cuda:  # atomics would make the order of the adds vary: sum per row first
                 uniq, g = aggregate_rows(rows, grads)

@@ -1,0 +1,96 @@
+"""Learning-rate warm-up and decay: the DLRM reference's factors, both optimizers follow them, resume
+continues the schedule, bad settings name the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from recstack.config import ConfigError, load_config
+from recstack.lr_schedule import LRSchedule
+from recstack.trainer import Trainer
+
+SMALL = ["model.embedding_dim=8", "model.bottom_mlp=[32, 8]", "model.top_mlp=[32, 1]", "train.batch_size=64",
+         "train.threads=1", "train.progress=false", 'optim.sparse="rowwise_adagrad"', 'optim.dense="adam"',
+         "optim.dense_lr=0.01"]
+
+
+def _reference_factor(step: int, warmup: int, decay_start: int, decay_steps: int) -> float:
+    """The DLRM reference's policy written out case by case."""
+    if step < warmup:
+        return 1.0 - (warmup - step) / warmup
+    if decay_start <= step < decay_start + decay_steps:
+        return ((decay_steps - (step - decay_start)) / decay_steps) ** 2
+    if decay_steps > 0 and step >= decay_start + decay_steps:
+        return 0.0
+    return 1.0
+
+
+@pytest.mark.parametrize(("warmup", "start", "steps"), [(0, 0, 0), (4, 0, 0), (4, 10, 4), (0, 0, 5), (3, 3, 7)])
+def test_factors_follow_the_reference_policy(warmup: int, start: int, steps: int) -> None:
+    s = LRSchedule(warmup, start, steps)
+    assert s.active == (warmup > 0 or steps > 0)
+    for step in range(40):
+        assert s.factor(step) == pytest.approx(_reference_factor(step, warmup, start, steps), abs=1e-15), step
+    assert LRSchedule(4, 10, 4).factor(0) == 0.0 and LRSchedule(4, 10, 4).factor(11) == 0.5625
+
+
+def _trainer(data: Path, out: Path | None, extra: list[str]) -> Trainer:
+    return Trainer(load_config(None, [f'data.train="{data}"', *SMALL, *extra]), out)
+
+
+def _weights(t: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in t.model.state_dict().items() if "accumulator" not in k}
+
+
+@pytest.mark.parametrize("warmup", [0, 5])
+def test_the_first_warm_up_step_changes_no_weight(tiny_dataset: Path, warmup: int) -> None:
+    """Factor 0 at step 0 must reach the dense optimizer and the embedding tables alike."""
+    t = _trainer(tiny_dataset, None, ["train.max_steps=1", f"optim.lr_warmup_steps={warmup}"])
+    before = _weights(t)
+    t.train()
+    after = _weights(t)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    if warmup:
+        assert changed == set()
+    else:  # the control: one ordinary step moves the dense layers and the looked-up rows
+        assert {"embeddings.weight", "bottom.0.weight", "top.0.weight"} <= changed
+
+
+def test_decay_to_zero_freezes_the_model_and_factors_are_logged(tiny_dataset: Path, tmp_path: Path) -> None:
+    t = _trainer(tiny_dataset, tmp_path, ["train.max_steps=12", "train.log_every=1", "optim.lr_warmup_steps=4",
+                                          "optim.lr_decay_start_step=4", "optim.lr_decay_steps=4"])
+    t.train()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    factors = [x["lr_factor"] for x in lines if x["kind"] == "train"]
+    assert factors == pytest.approx([_reference_factor(s, 4, 4, 4) for s in range(12)])
+    before = _weights(t)  # steps 8-11 ran at factor 0: one more such step changes nothing
+    t.lr.set_step(12)
+    t.train_step(next(iter(t.train_loader.iterate_epoch(limit=1))))
+    assert all(torch.equal(before[k], v) for k, v in _weights(t).items())
+
+
+def test_resume_continues_the_schedule(tiny_dataset: Path, tmp_path: Path) -> None:
+    sched = ["optim.lr_warmup_steps=12", "optim.lr_decay_start_step=14", "optim.lr_decay_steps=10"]
+    whole = _trainer(tiny_dataset, tmp_path / "whole", ["train.max_steps=24", *sched]).train()
+    _trainer(tiny_dataset, tmp_path / "cut", ["train.max_steps=10", *sched]).train()  # checkpoint at step 10
+    cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, "train.max_steps=24", *sched])
+    resumed = Trainer(cfg, tmp_path / "cut", resume=True)
+    assert resumed.step == 10
+    out = resumed.train()
+    assert {k: out[k] for k in ("auc", "logloss", "steps")} == {k: whole[k] for k in ("auc", "logloss", "steps")}
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["optim.lr_warmup_steps=-1"], "optim.lr_warmup_steps: must be >= 0"),
+    (["optim.lr_decay_steps=-3"], "optim.lr_decay_steps: must be >= 0"),
+    (["optim.lr_warmup_steps=10", "optim.lr_decay_start_step=5", "optim.lr_decay_steps=4"],
+     "optim.lr_decay_start_step: the decay must start after the warm-up"),
+    (["optim.lr_warmup_steps=1.5"], "optim.lr_warmup_steps: expected int"),
+])
+def test_bad_schedules_name_the_field(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
