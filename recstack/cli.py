@@ -48,6 +48,8 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
     if args.schema or args.valid or args.test or args.stats_from:  # schema-driven input (any format)
         from recstack.data.commands import run_schema_prepare
 
+        if args.sub_sample_rate:
+            raise SystemExit("data prepare: --sub-sample-rate applies to Criteo raw files, not to --schema input")
         run_schema_prepare(args)
         return
     from recstack.data.criteo_prepare import prepare_criteo, sort_day_files
@@ -58,9 +60,12 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
         inputs.extend(sort_day_files([q for q in p.iterdir() if q.is_file()]) if p.is_dir() else [p])
     report = prepare_criteo(
         inputs, Path(args.out), max_ind_range=args.max_ind_range, vocab_min_freq=args.vocab_min_freq,
-        skip_bad_rows=args.skip_bad_rows, overwrite=args.overwrite,
+        skip_bad_rows=args.skip_bad_rows, overwrite=args.overwrite, sub_sample_rate=args.sub_sample_rate,
+        sub_sample_seed=args.sub_sample_seed,
     )
     print(f"prepared {report.rows} rows into {args.out} ({report.rows_per_sec:,.0f} rows/s)")
+    if report.dropped_negatives:
+        print(f"dropped {report.dropped_negatives} negative rows (--sub-sample-rate {args.sub_sample_rate:g})")
     if report.skipped:
         print(f"skipped {report.skipped} bad rows, first ones:")
         for where in report.bad_rows[:20]:
@@ -122,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--max-ind-range", type=int, help="hash categorical values into this many rows")
     pr.add_argument("--vocab-min-freq", type=int, help="vocabulary of values seen at least this often")
     pr.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows and report them")
+    pr.add_argument("--sub-sample-rate", type=float, default=0.0, metavar="R",
+                    help="drop each negative row with probability R (the DLRM reference's Terabyte training days: "
+                         "0.875)")
+    pr.add_argument("--sub-sample-seed", type=int, default=0)
     pr.add_argument("--overwrite", action="store_true")
     add_schema_prepare_arguments(pr)
     pr.set_defaults(func=_cmd_prepare)

@@ -183,6 +183,62 @@ def test_multiple_inputs_concatenate_in_order(real: Path, tmp_path: Path) -> Non
     assert again.rows == len(PreparedDataset(tmp_path / "both")) == 1999
 
 
+
+def test_negative_sub_sampling_keeps_every_positive_the_same_rows_for_any_chunking(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    files = [write_lines(tmp_path / f"day_{i}.tsv", [rand_line(rng) for _ in range(n)])
+             for i, n in enumerate((1500, 900))]
+    parsed = [naive_parse(f) for f in files]
+    rate, seed = 0.75, 3
+    # the documented rule: row j of input i is kept when positive or when draw j of rng (seed, i) >= rate
+    keep = np.concatenate([(p[0] > 0) | (np.random.default_rng([seed, i]).random(len(p[0])) >= rate)
+                           for i, p in enumerate(parsed)])
+    labels = np.concatenate([p[0] for p in parsed])
+    cats = np.concatenate([p[3] for p in parsed])
+    runs = {}
+    for name, chunk in (("small", 128), ("large", 100_000)):
+        rep = prepare_criteo(files, tmp_path / name, max_ind_range=997, chunk_rows=chunk, sub_sample_rate=rate,
+                             sub_sample_seed=seed, progress=False)
+        runs[name] = PreparedDataset(tmp_path / name)
+        assert rep.rows == keep.sum() and rep.dropped_negatives == (~keep).sum() and rep.rows_per_input == [1500, 900]
+    ds = runs["small"]
+    np.testing.assert_array_equal(ds.column("labels"), labels[keep])
+    np.testing.assert_array_equal(ds.column("sparse"), cats[keep] % 997)
+    np.testing.assert_array_equal(runs["large"].column("dense"), ds.column("dense"))
+    assert (ds.column("labels") > 0).sum() == (labels > 0).sum()  # every positive stays
+    negatives = (labels == 0).sum()
+    kept_share = (np.asarray(ds.column("labels")) == 0).sum() / negatives
+    assert abs(kept_share - (1 - rate)) < 5 * math.sqrt(rate * (1 - rate) / negatives)
+    assert ds.info["negative_sub_sampling"] == {"rate": rate, "seed": seed, "dropped_negatives": int((~keep).sum())}
+    other = prepare_criteo(files, tmp_path / "seed4", max_ind_range=997, sub_sample_rate=rate, sub_sample_seed=4,
+                           progress=False)
+    assert other.rows != rep.rows or not np.array_equal(PreparedDataset(tmp_path / "seed4").column("dense"),
+                                                        ds.column("dense"))
+    # a vocabulary counts the kept rows only
+    v = prepare_criteo(files, tmp_path / "vocab", vocab_min_freq=2, sub_sample_rate=rate, sub_sample_seed=seed,
+                       chunk_rows=300, progress=False)
+    want_ids, want_sizes = vocab_ids(cats[keep], min_freq=2)
+    assert v.table_sizes == want_sizes
+    np.testing.assert_array_equal(PreparedDataset(tmp_path / "vocab").column("sparse"), want_ids)
+    plain = prepare_criteo(files, tmp_path / "rate0", max_ind_range=997, sub_sample_rate=0.0, progress=False)
+    assert plain.rows == 2400 and plain.dropped_negatives == 0
+    with pytest.raises(ValueError, match=r"sub_sample_rate must be in \[0, 1\)"):
+        prepare_criteo(files, tmp_path / "bad", sub_sample_rate=1.0, progress=False)
+
+
+def test_sub_sample_rate_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from recstack.cli import main
+
+    rng = np.random.default_rng(6)
+    raw = write_lines(tmp_path / "day_0.tsv", [rand_line(rng) for _ in range(400)])
+    assert main(["data", "prepare", str(raw), "--out", str(tmp_path / "p"), "--max-ind-range", "97",
+                 "--sub-sample-rate", "0.5", "--sub-sample-seed", "1"]) in (0, None)
+    dropped = PreparedDataset(tmp_path / "p").info["negative_sub_sampling"]["dropped_negatives"]
+    assert dropped > 0 and f"dropped {dropped} negative rows" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="applies to Criteo raw files"):
+        main(["data", "prepare", str(raw), "--out", str(tmp_path / "q"), "--schema", "x.toml",
+              "--sub-sample-rate", "0.5"])
+
 # ------------------------------------------------------------------------------------------- bad input
 GOOD = rand_line(np.random.default_rng(1))
 
