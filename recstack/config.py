@@ -76,6 +76,7 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int = 0  # 0 = as many as the epochs give
     eval_every: int = 0  # steps; 0 = only at the end
+    target_auc: float = 0.0  # stop at the first evaluation that reaches it (MLPerf's AUC threshold); 0 = never
     eval_batch_size: int = 16384
     log_every: int = 50
     checkpoint_every: int = 0  # steps; 0 = only the final checkpoint
@@ -270,6 +271,10 @@ def validate(cfg: Config) -> None:
         )
     if t.batch_size <= 0 or t.eval_batch_size <= 0:
         raise ConfigError("train.batch_size and train.eval_batch_size: must be positive")
+    if not 0.0 <= t.target_auc < 1.0:
+        raise ConfigError(f"train.target_auc: must be in [0, 1), got {t.target_auc}")
+    if t.target_auc and not t.eval_every:
+        raise ConfigError("train.target_auc: needs train.eval_every > 0 (the AUC is checked at each evaluation)")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")
     from recstack.lr_schedule import LRSchedule

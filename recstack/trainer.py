@@ -139,6 +139,7 @@ class Trainer:
         self.lr = LRScaler(schedule, self.optimizer, self.model) if schedule.active else None
         self.total_steps = t.max_steps or t.epochs * len(self.train_loader)
         self.step = 0
+        self.target_step: int | None = None  # the step whose evaluation reached train.target_auc
         self.samples = 0
         self.train_seconds = 0.0
         self.logger = MetricsLogger(self.output_dir if self.is_main else None)
@@ -260,7 +261,8 @@ class Trainer:
                    unit="step", dynamic_ncols=True)
         window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, time.perf_counter(), 0.0, 0.0
         tick = window_t0  # train_seconds counts data wait + steps, not evaluation or checkpoints
-        while self.step < self.total_steps:
+        reached: dict[str, float] | None = None  # the evaluation that reached train.target_auc
+        while self.step < self.total_steps and reached is None:
             for batch in self.train_loader.iterate_epoch(limit=self.total_steps - self.step):
                 self.compression.begin_step(self.step)
                 lr_factor = self.lr.set_step(self.step) if self.lr is not None else None
@@ -293,16 +295,24 @@ class Trainer:
                     bar.set_postfix(loss=f"{window_loss / window_n:.4f}", samples_s=f"{sps:,.0f}")
                     window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, now, 0.0, 0.0
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
-                    self.logger.log(self.step, "eval", self.evaluate())
+                    result = self.evaluate()  # on every rank the same (gathered) figures, so all stop together
+                    self.logger.log(self.step, "eval", result)
                     tick = window_t0 = time.perf_counter()
+                    if t.target_auc and result["auc"] >= t.target_auc:
+                        reached, self.target_step = result, self.step
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0:
                     self.save()
                     tick = time.perf_counter()
-                if self.step >= self.total_steps:
+                if self.step >= self.total_steps or reached is not None:
                     break
         bar.close()
-        final = self.evaluate()
-        self.logger.log(self.step, "eval", final)
+        if reached is not None:
+            if self.is_main:
+                print(f"reached train.target_auc={t.target_auc:g} at step {self.step} ({self.samples} samples)")
+            final = reached
+        else:
+            final = self.evaluate()
+            self.logger.log(self.step, "eval", final)
         self.save()
         summary = self.summary(final)
         self.logger.close()
@@ -344,6 +354,9 @@ class Trainer:
         out["train_samples"] = self.samples
         out["samples_per_sec"] = self.samples / self.train_seconds if self.train_seconds else None
         out["world_size"] = self.world
+        if self.cfg.train.target_auc:
+            out["target_auc"] = self.cfg.train.target_auc
+            out["target_reached_step"] = self.target_step  # None: not reached within the steps given
         oracle = self.oracle_auc()
         if oracle is not None:
             out["oracle_auc"] = oracle

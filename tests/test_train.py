@@ -55,6 +55,25 @@ def test_learns_and_writes_outputs(tiny_dataset: Path, tmp_path: Path) -> None:
     assert json.loads((tmp_path / "summary.json").read_text())["auc"] == s["auc"]
 
 
+def test_target_auc_stops_at_the_first_evaluation_that_reaches_it(tiny_dataset: Path, tmp_path: Path) -> None:
+    common = ["train.max_steps=200", "train.eval_every=20"]
+    _train(tiny_dataset, tmp_path / "free", common)
+    lines = [json.loads(x) for x in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()]
+    periodic = [x for x in lines if x["kind"] == "eval" and x["step"] < 200]
+    target = max(x["auc"] for x in periodic[:4])  # reached first at that evaluation (runs are deterministic)
+    first = next(x for x in periodic if x["auc"] >= target)
+    s = _train(tiny_dataset, tmp_path / "target", [*common, f"train.target_auc={target!r}"])
+    assert s["target_reached_step"] == s["steps"] == first["step"] < 200
+    assert s["auc"] == first["auc"] and s["target_auc"] == target
+    evals = [json.loads(x) for x in (tmp_path / "target" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in evals if x["kind"] == "eval"][-1] == first["step"]  # not evaluated twice
+    never = _train(tiny_dataset, None, [*common, "train.target_auc=0.9999"])
+    assert never["steps"] == 200 and never["target_reached_step"] is None
+    with pytest.raises(ConfigError, match="train.target_auc: needs train.eval_every"):
+        load_config(None, ["train.target_auc=0.8"])
+    with pytest.raises(ConfigError, match=r"train.target_auc: must be in \[0, 1\)"):
+        load_config(None, ["train.target_auc=1.5", "train.eval_every=10"])
+
 def _cli_train(data: Path, out: Path, extra: list[str]) -> subprocess.Popen:
     args = [sys.executable, "-m", "recstack", "train", "--output-dir", str(out), "--set", f'data.train="{data}"']
     for o in [*SMALL, *extra]:
