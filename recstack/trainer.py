@@ -174,6 +174,7 @@ class Trainer:
             "dense_optimizer": self.optimizer.state_dict(),
             "position": {"epoch": pos.epoch, "batch": pos.batch},
             "samples": self.samples,
+            "target_step": self.target_step,
             "train_seconds": self.train_seconds,
             "rng": rng_state(),
             "config": self.cfg.to_dict(),
@@ -202,6 +203,7 @@ class Trainer:
         self.train_loader.position = LoaderPosition(**state["position"])
         self.step = int(state["step"])
         self.samples = int(state["samples"])
+        self.target_step = state.get("target_step")  # a run that reached train.target_auc stays finished
         self.train_seconds = float(state["train_seconds"])
         set_rng_state(state["rng"])
         self.compression.load_state_dict(state.get("compression"), state.get("world_size"), self.device)
@@ -262,7 +264,7 @@ class Trainer:
         window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, time.perf_counter(), 0.0, 0.0
         tick = window_t0  # train_seconds counts data wait + steps, not evaluation or checkpoints
         reached: dict[str, float] | None = None  # the evaluation that reached train.target_auc
-        while self.step < self.total_steps and reached is None:
+        while self.step < self.total_steps and reached is None and self.target_step is None:
             for batch in self.train_loader.iterate_epoch(limit=self.total_steps - self.step):
                 self.compression.begin_step(self.step)
                 lr_factor = self.lr.set_step(self.step) if self.lr is not None else None

@@ -67,6 +67,11 @@ def test_target_auc_stops_at_the_first_evaluation_that_reaches_it(tiny_dataset: 
     assert s["auc"] == first["auc"] and s["target_auc"] == target
     evals = [json.loads(x) for x in (tmp_path / "target" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in evals if x["kind"] == "eval"][-1] == first["step"]  # not evaluated twice
+    cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, *common, f"train.target_auc={target!r}"])
+    again = Trainer(cfg, tmp_path / "target", resume=True)  # a finished run stays finished
+    assert again.step == first["step"]
+    done = again.train()
+    assert done["steps"] == done["target_reached_step"] == first["step"]
     never = _train(tiny_dataset, None, [*common, "train.target_auc=0.9999"])
     assert never["steps"] == 200 and never["target_reached_step"] is None
     with pytest.raises(ConfigError, match="train.target_auc: needs train.eval_every"):
