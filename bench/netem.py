@@ -35,6 +35,9 @@ CODECS: dict[str, list[str]] = {
     "eb-fwd": ['dist.forward_codec="eb"', 'dist.backward_codec="fp32"'],
     "fp16": ['dist.forward_codec="fp16"', 'dist.backward_codec="fp16"'],
     "eb": ['dist.forward_codec="eb"', 'dist.backward_codec="eb"', "compression.error_feedback=true"],
+    # gradients summed per distinct id before the backward all-to-all (one-hot features)
+    "fp32-agg": ['dist.forward_codec="fp32"', 'dist.backward_codec="fp32"', "dist.aggregate_gradients=true"],
+    "eb-agg": ['dist.forward_codec="eb"', 'dist.backward_codec="eb"', "dist.aggregate_gradients=true"],
 }
 
 

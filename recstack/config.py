@@ -100,6 +100,7 @@ class DistConfig:
     sharding: str = "table_wise"
     forward_codec: str = "fp32"  # fp32 | fp16 | bf16 | fp8 | int8 | eb (error-bounded, see [compression])
     backward_codec: str = "fp32"
+    aggregate_gradients: bool = False  # backward all-to-all: one row per distinct id of one-hot features
     timeout_s: float = 300.0
     ranks_per_node: int = 0  # 0 = LOCAL_WORLD_SIZE from torchrun
     pipeline: bool = True  # distribute the next batch's ids while the current batch computes
@@ -275,6 +276,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.target_auc: must be in [0, 1), got {t.target_auc}")
     if t.target_auc and not t.eval_every:
         raise ConfigError("train.target_auc: needs train.eval_every > 0 (the AUC is checked at each evaluation)")
+    if cfg.dist.aggregate_gradients and cfg.dist.backward_codec == "eb" and cfg.compression.error_feedback:
+        raise ConfigError("dist.aggregate_gradients: cannot be combined with compression.error_feedback (the rows "
+                          "of an aggregated gradient belong to different ids every step, so no residual carries)")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")
     from recstack.lr_schedule import LRSchedule

@@ -157,7 +157,7 @@ class Trainer:
         rpn = d.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         placements = placements_from_config(d, [t.name for t in self.model.embeddings.tables], self.world)
         fwd, bwd = self.compression.codecs()  # names, or configured error-bounded codecs for "eb"
-        shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn)
+        shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn, d.aggregate_gradients)
         self.net = wrap_ddp(self.model, self.device, self.model.embeddings.stats)
         if d.pipeline:  # the prefetch thread moves each batch to the device and distributes its ids
             emb, device = self.model.embeddings, self.device

@@ -26,8 +26,9 @@ def _cfg(sparse_opt: str):
                               f'optim.sparse="{sparse_opt}"', "optim.sparse_lr=0.05", "optim.dense_lr=0.05"])
 
 
-def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ranks_per_node=None):
-    """Train STEPS steps; -> (losses of the global batch, eval AUC, full tables)."""
+def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ranks_per_node=None,
+         aggregate: bool = False):
+    """Train STEPS steps; -> (losses of the global batch, eval AUC, full tables, backward bytes sent)."""
     cfg = _cfg(sparse_opt)
     ds = PreparedDataset(data)
     torch.manual_seed(0)
@@ -35,12 +36,13 @@ def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ra
     device = torch.device("cpu")
     net = model
     if placements is not None:
-        model = shard_model(model, placements, 0, device, ranks_per_node=ranks_per_node)
+        model = shard_model(model, placements, 0, device, ranks_per_node=ranks_per_node,
+                            aggregate_gradients=aggregate)
         net = wrap_ddp(model, device)
     opt = build_dense_optimizer(cfg, model.dense_parameters())
     n = len(ds)
     loader = BatchLoader(ds, GLOBAL_BATCH // world, (0, n - 2000), rank=rank, world_size=world, prefetch=0)
-    losses = []
+    losses, bwd_bytes = [], 0.0
     it = loader.iterate_epoch()
     for _ in range(STEPS):
         batch = next(it)
@@ -53,6 +55,8 @@ def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ra
             dist.all_reduce(global_loss)
             global_loss /= world
         losses.append(float(global_loss))
+        stats = getattr(model.embeddings, "stats", None)
+        bwd_bytes += stats.pop().get("bytes_bwd_a2a", 0.0) if stats is not None else 0.0
     net.eval()
     metrics = BinaryMetrics()
     ev = BatchLoader(ds, 500 // world, (n - 2000, n), drop_last=False, rank=rank, world_size=world, prefetch=0)
@@ -62,10 +66,11 @@ def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ra
     if world > 1:
         metrics = all_gather_metrics(metrics)
     tables = [model.embeddings.table_weight(t.name) for t in model.embeddings.tables]
-    return losses, metrics.compute()["auc"], tables
+    return losses, metrics.compute()["auc"], tables, bwd_bytes
 
 
 def _plans(world: int) -> dict[str, tuple[list, int | None]]:
+    """Name -> (placements, ranks per node); ``<name>+agg`` runs the same plan with gradient aggregation."""
     everyone = list(range(world))
     half = world // 2
     return {
@@ -85,9 +90,10 @@ def _worker(rank: int, world: int, init_file: str, data: str, out: str, sparse_o
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         results = {}
-        for name, (placements, rpn) in _plans(world).items():
-            if name in names:
-                results[name] = _run(Path(data), sparse_opt, rank, world, placements, rpn)
+        plans = _plans(world)
+        for name in names:
+            placements, rpn = plans[name.removesuffix("+agg")]
+            results[name] = _run(Path(data), sparse_opt, rank, world, placements, rpn, name.endswith("+agg"))
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -104,25 +110,27 @@ def _spawn(tmp_path: Path, data: Path, world: int, sparse_opt: str, names: list[
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_sharding_matches_single_process(tiny_dataset: Path, tmp_path: Path, world: int) -> None:
     torch.set_num_threads(1)
-    names = list(_plans(world))
-    ref_losses, ref_auc, ref_tables = _run(tiny_dataset, "sgd", 0, 1)
+    names = [*_plans(world), "row_wise+agg", "table_row_wise+agg", "mixed+agg"]
+    ref_losses, ref_auc, ref_tables, _ = _run(tiny_dataset, "sgd", 0, 1)
     results = _spawn(tmp_path, tiny_dataset, world, "sgd", names)
     assert sorted(results) == sorted(names)
-    for name, (losses, auc, tables) in results.items():
+    for name, (losses, auc, tables, _) in results.items():
         assert losses == pytest.approx(ref_losses, abs=1e-5), name
         assert auc == pytest.approx(ref_auc, abs=1e-5), name
         for t, r in zip(tables, ref_tables, strict=True):
             torch.testing.assert_close(t, r, atol=1e-5, rtol=1e-4, msg=f"{name}: tables differ")
     assert ref_losses[-1] < ref_losses[0]  # training moved at all
+    for name in ("row_wise", "table_row_wise", "mixed"):  # one-hot features: far fewer gradient rows sent
+        assert results[f"{name}+agg"][3] < 0.8 * results[name][3], name
 
 
 def test_rowwise_adagrad_sharded_matches(tiny_dataset: Path, tmp_path: Path) -> None:
     # column-wise keeps per-shard accumulators (documented), so it is left out of this comparison
-    names = ["table_wise", "row_wise", "data_parallel"]
-    ref_losses, ref_auc, _ = _run(tiny_dataset, "rowwise_adagrad", 0, 1)
+    names = ["table_wise", "row_wise", "data_parallel", "table_wise+agg", "row_wise+agg"]
+    ref_losses, ref_auc, _, _ = _run(tiny_dataset, "rowwise_adagrad", 0, 1)
     results = _spawn(tmp_path, tiny_dataset, 2, "rowwise_adagrad", names)
     for name in names:
-        losses, auc, _ = results[name]
+        losses, auc, _, _ = results[name]
         assert losses == pytest.approx(ref_losses, abs=1e-5), name
         assert auc == pytest.approx(ref_auc, abs=1e-5), name
 

@@ -28,14 +28,15 @@ def single(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return _train([sys.executable, "-m", "recstack"], tiny_dataset, out, ["train.batch_size=128"])
 
 
-@pytest.mark.parametrize("sharding,codec", [("row_wise", "fp32"), ("table_wise", "fp32"), ("column_wise", "fp16")])
+@pytest.mark.parametrize("sharding,codec,aggregate", [("row_wise", "fp32", False), ("table_wise", "fp32", False),
+                                                      ("column_wise", "fp16", False), ("table_wise", "fp32", True)])
 def test_torchrun_two_ranks_match_single(
-    tiny_dataset: Path, tmp_path: Path, single: dict, sharding: str, codec: str
+    tiny_dataset: Path, tmp_path: Path, single: dict, sharding: str, codec: str, aggregate: bool
 ) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 "-m", "recstack"]
     extra = ["train.batch_size=64", f'dist.sharding="{sharding}"', f'dist.forward_codec="{codec}"',
-             f'dist.backward_codec="{codec}"']
+             f'dist.backward_codec="{codec}"', f"dist.aggregate_gradients={str(aggregate).lower()}"]
     two = _train(torchrun, tiny_dataset, tmp_path / "two", extra)
     assert two["world_size"] == 2 and two["train_samples"] == single["train_samples"]
     tol = 1e-5 if codec == "fp32" else 2e-3  # fp16 messages: close, not equal

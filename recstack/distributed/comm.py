@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from recstack.distributed.codecs import CastCodec, ChunkKey, Codec, get_codec
+from recstack.distributed.grad_aggregation import ReceiveGroups, SendGroups, aggregate, expand
 
 
 @dataclass
@@ -127,6 +128,9 @@ class PooledExchange:
         self.group = group
         self.fwd, self.bwd = get_codec(forward_codec), get_codec(backward_codec)
         self.stats = stats
+        # (send, receive) gradient groups per [rank][chunk] for the backward exchange (grad_aggregation.py):
+        # send for the chunks this rank received, receive for those it sent; None: every chunk per sample.
+        self.grad_groups: tuple[list[list[SendGroups | None]], list[list[ReceiveGroups | None]]] | None = None
 
     @staticmethod
     def _split(flat: torch.Tensor, shapes: list[list[tuple[int, int]]]) -> list[list[torch.Tensor]]:
@@ -187,4 +191,18 @@ class _PooledAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         ex: PooledExchange = ctx.ex
-        return ex.exchange(grad.contiguous(), ex.recv_shapes, ex.send_shapes, ex.bwd, "bwd_a2a"), None
+        if ex.grad_groups is None:
+            return ex.exchange(grad.contiguous(), ex.recv_shapes, ex.send_shapes, ex.bwd, "bwd_a2a"), None
+        send_groups, recv_groups = ex.grad_groups
+        chunks = ex._split(grad.contiguous(), ex.recv_shapes)  # [B_r, d] per chunk, as received in forward
+        sums = [[aggregate(c, g) for c, g in zip(per_rank, groups, strict=True)]
+                for per_rank, groups in zip(chunks, send_groups, strict=True)]
+        out_shapes = [[(s.shape[0], s.shape[1]) for s in per_rank] for per_rank in sums]
+        in_shapes = [[(g.first.numel(), d) if g is not None else (n, d)
+                      for (n, d), g in zip(per_rank, groups, strict=True)]
+                     for per_rank, groups in zip(ex.send_shapes, recv_groups, strict=True)]
+        flat = [s.reshape(-1) for per_rank in sums for s in per_rank]
+        recv = ex.exchange(torch.cat(flat) if flat else grad.new_zeros(0), out_shapes, in_shapes, ex.bwd, "bwd_a2a")
+        full = [expand(x, g) for per_rank, groups in zip(ex._split(recv, in_shapes), recv_groups, strict=True)
+                for x, g in zip(per_rank, groups, strict=True)]
+        return (torch.cat([x.reshape(-1) for x in full]) if full else grad.new_zeros(0)), None

@@ -55,11 +55,13 @@ def shard_model(
     forward_codec: str = "fp32",
     backward_codec: str = "fp32",
     ranks_per_node: int | None = None,
+    aggregate_gradients: bool = False,
 ) -> DLRM:
     """Replace the model's local collection with a sharded one holding the same initial rows."""
     emb = model.embeddings
     model.embeddings = ShardedEmbeddingCollection(
-        emb.tables, emb.optimizer.config, placements, seed, device, forward_codec, backward_codec, ranks_per_node
+        emb.tables, emb.optimizer.config, placements, seed, device, forward_codec, backward_codec, ranks_per_node,
+        aggregate_gradients,
     )
     return model
 

@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from recstack.data.batch import SparseFeatures
+from recstack.distributed import grad_aggregation as ga
 from recstack.distributed.comm import CommStats, PooledExchange, all_to_all_variable
+from recstack.distributed.grad_aggregation import GradGroups, SendGroups
 from recstack.distributed.sharding import Shard, table_shards
 from recstack.embedding.collection import EmbeddingCollection, FusedEmbeddingBagCollection, TableConfig, init_table
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
@@ -90,8 +92,10 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         forward_codec: str = "fp32",
         backward_codec: str = "fp32",
         ranks_per_node: int | None = None,
+        aggregate_gradients: bool = False,
     ) -> None:
-        """placements[t] = (sharding type, ranks) for table t, as in a ShardingPlan."""
+        """placements[t] = (sharding type, ranks) for table t, as in a ShardingPlan. ``aggregate_gradients``:
+        the backward exchange sends one row per distinct id of one-hot features (grad_aggregation.py)."""
         super().__init__(tables, optimizer)
         if len(placements) != len(tables):
             raise ValueError(f"{len(placements)} placements for {len(tables)} tables")
@@ -104,6 +108,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.pipeline_group = dist.new_group()  # input distribution run ahead from the loader thread
         self.stats = CommStats()
         self.forward_codec, self.backward_codec = forward_codec, backward_codec
+        self.aggregate_gradients = aggregate_gradients
         self.shards: list[list[Shard]] = [
             table_shards(i, t.num_embeddings, t.embedding_dim, kind, list(ranks), self.world, ranks_per_node)
             for i, (t, (kind, ranks)) in enumerate(zip(tables, placements, strict=True))
@@ -166,15 +171,17 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         sparse.routed = self._input_dist(sparse, self.pipeline_group)
         return sparse
 
-    def _input_dist(
-        self, sparse: SparseFeatures, group: dist.ProcessGroup | None = None
-    ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor | None]]:
-        """-> (batch size of every rank, (ids, lengths) per owned pair over all ranks' samples, weights)."""
+    def _input_dist(self, sparse: SparseFeatures, group: dist.ProcessGroup | None = None) -> tuple[
+        list[int], list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor | None], GradGroups | None
+    ]:
+        """-> (batch size of every rank, (ids, lengths) per owned pair over all ranks' samples, weights, and
+        with ``aggregate_gradients`` the backward exchange's (send, receive) id groups per [rank][chunk])."""
         group = group or self.ids_group
         b = sparse.batch_size
         lengths = sparse.lengths.view(sparse.num_features, b)  # [F, B]
         starts = sparse.offsets[:-1:b].tolist() + [int(sparse.offsets[-1])]
         send_ids, send_w = [], []
+        send_groups: list[list[SendGroups | None]] = []
         for r in range(self.world):
             lens, ids, ws = [], [], []
             for f, s in self.pairs[r]:
@@ -190,6 +197,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                     lens.append(lengths[f])
                     ids.append(fid)
                     ws.append(fw)
+            if self.aggregate_gradients and self.training:
+                weighted = sparse.weights is not None
+                send_groups.append([ga.send_groups(i, ln, weighted) for i, ln in zip(ids, lens, strict=True)])
             head = torch.tensor([b], dtype=torch.int64, device=sparse.ids.device)
             send_ids.append(torch.cat([head, *lens, *ids]))
             if sparse.weights is not None:
@@ -216,14 +226,20 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         ids_out = [torch.cat(x) if x else torch.zeros(0, dtype=torch.int64) for x in pair_ids]
         lens_out = [torch.cat(x) if x else torch.zeros(0, dtype=torch.int64) for x in pair_lens]
         w_out = [torch.cat(x) for x in pair_w] if sparse.weights is not None else [None] * n
-        return batch_sizes, list(zip(ids_out, lens_out, strict=True)), w_out
+        groups = None
+        if self.aggregate_gradients and self.training:  # the owner side: the ids it got from each rank
+            weighted = sparse.weights is not None
+            recv_groups = [[ga.receive_groups(pair_ids[p][r], pair_lens[p][r], weighted) for p in range(n)]
+                           for r in range(self.world)]
+            groups = (send_groups, recv_groups)
+        return batch_sizes, list(zip(ids_out, lens_out, strict=True)), w_out, groups
 
     def forward(self, sparse: SparseFeatures) -> torch.Tensor:
         if sparse.num_features != self.num_features:
             raise ValueError(f"got {sparse.num_features} sparse features, collection has {self.num_features}")
         b = sparse.batch_size
         routed, sparse.routed = sparse.routed, None  # a routed batch is consumed once
-        batch_sizes, pair_data, pair_w = routed if routed is not None else self._input_dist(sparse)
+        batch_sizes, pair_data, pair_w, grad_groups = routed if routed is not None else self._input_dist(sparse)
         pooled: dict[str, torch.Tensor] = {}
         for key, idxs in self.group_pairs.items():
             ids = torch.cat([pair_data[i][0] for i in idxs])
@@ -249,6 +265,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         recv_shapes = [[(b, s.dim) for _, s in self.pairs[r]] for r in range(self.world)]
         exchange = PooledExchange(send_shapes, recv_shapes, self.out_group, self.forward_codec,
                                   self.backward_codec, self.stats)
+        exchange.grad_groups = grad_groups if anchor.requires_grad else None
         recv = exchange(send_flat) if any(self.pairs) else send_flat
         received: dict[tuple[int, int, int], torch.Tensor] = {}
         owners = [(f, s) for r in range(self.world) for f, s in self.pairs[r]]
