@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from recstack.distributed.codecs import CastCodec, ChunkKey, Codec, get_codec
-from recstack.distributed.grad_aggregation import ReceiveGroups, SendGroups, aggregate, expand
+from recstack.distributed.grad_aggregation import GradGroups, aggregate, expand
 
 
 @dataclass
@@ -130,7 +130,7 @@ class PooledExchange:
         self.stats = stats
         # (send, receive) gradient groups per [rank][chunk] for the backward exchange (grad_aggregation.py):
         # send for the chunks this rank received, receive for those it sent; None: every chunk per sample.
-        self.grad_groups: tuple[list[list[SendGroups | None]], list[list[ReceiveGroups | None]]] | None = None
+        self.grad_groups: GradGroups | None = None
 
     @staticmethod
     def _split(flat: torch.Tensor, shapes: list[list[tuple[int, int]]]) -> list[list[torch.Tensor]]:

@@ -7,8 +7,9 @@ Per step, on every rank (B = local batch, F features, W ranks):
   3. output all-to-all: each rank gets back the pooled [B_r, d] pieces of its own samples, through a codec
      (fp32, fp16, bf16, fp8, int8, or an error-bounded one), and rebuilds [B, F, D] (sum of row shards,
      concatenation of column shards); replicated tables are looked up locally;
-  4. backward: the gradients of those pieces travel back the same way (own codec) and the owner applies the
-     fused sparse optimizer; replicated tables all-reduce their gradient and update every replica.
+  4. backward: the gradients of those pieces travel back the same way (own codec; with
+     ``aggregate_gradients`` one row per distinct id of one-hot features) and the owner applies the fused
+     sparse optimizer; replicated tables all-reduce their gradient and update every replica.
 Gradients are scaled by 1/W to match DDP's averaging of the dense part, so W ranks with batch B reproduce
 one process with batch W*B.
 """
