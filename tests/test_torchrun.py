@@ -37,6 +37,8 @@ def test_torchrun_two_ranks_match_single(
                 "-m", "recstack"]
     extra = ["train.batch_size=64", f'dist.sharding="{sharding}"', f'dist.forward_codec="{codec}"',
              f'dist.backward_codec="{codec}"', f"dist.aggregate_gradients={str(aggregate).lower()}"]
+    if aggregate:  # evaluations between steps while the loader thread routes the next training batch
+        extra.append("train.eval_every=15")
     two = _train(torchrun, tiny_dataset, tmp_path / "two", extra)
     assert two["world_size"] == 2 and two["train_samples"] == single["train_samples"]
     tol = 1e-5 if codec == "fp32" else 2e-3  # fp16 messages: close, not equal

@@ -198,7 +198,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                     lens.append(lengths[f])
                     ids.append(fid)
                     ws.append(fw)
-            if self.aggregate_gradients and self.training:
+            if self.aggregate_gradients and torch.is_grad_enabled():
                 weighted = sparse.weights is not None
                 send_groups.append([ga.send_groups(i, ln, weighted) for i, ln in zip(ids, lens, strict=True)])
             head = torch.tensor([b], dtype=torch.int64, device=sparse.ids.device)
@@ -228,7 +228,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         lens_out = [torch.cat(x) if x else torch.zeros(0, dtype=torch.int64) for x in pair_lens]
         w_out = [torch.cat(x) for x in pair_w] if sparse.weights is not None else [None] * n
         groups = None
-        if self.aggregate_gradients and self.training:  # the owner side: the ids it got from each rank
+        # Grouping is skipped under no_grad (evaluation), never by self.training: the loader thread may route a
+        # training batch while the main thread evaluates, and every rank must group the same batches.
+        if self.aggregate_gradients and torch.is_grad_enabled():  # the owner side: the ids it got from each rank
             weighted = sparse.weights is not None
             recv_groups = [[ga.receive_groups(pair_ids[p][r], pair_lens[p][r], weighted) for p in range(n)]
                            for r in range(self.world)]
