@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--sub-sample-rate", type=float, default=0.0, metavar="R",
                     help="drop each negative row with probability R (the DLRM reference's Terabyte training days: "
                          "0.875)")
-    pr.add_argument("--sub-sample-seed", type=int, default=0)
+    pr.add_argument("--sub-sample-seed", type=int, default=0, metavar="S",
+                    help="seed of the --sub-sample-rate draws (default 0)")
     pr.add_argument("--overwrite", action="store_true")
     add_schema_prepare_arguments(pr)
     pr.set_defaults(func=_cmd_prepare)
