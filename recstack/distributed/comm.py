@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from recstack.distributed.codecs import CastCodec, ChunkKey, Codec, get_codec
-from recstack.distributed.grad_aggregation import GradGroups, aggregate, expand
+from recstack.distributed.grad_aggregation import GradGroups, aggregate_flat, expand_flat
 
 
 @dataclass
@@ -194,15 +194,14 @@ class _PooledAllToAll(torch.autograd.Function):
         if ex.grad_groups is None:
             return ex.exchange(grad.contiguous(), ex.recv_shapes, ex.send_shapes, ex.bwd, "bwd_a2a"), None
         send_groups, recv_groups = ex.grad_groups
-        chunks = ex._split(grad.contiguous(), ex.recv_shapes)  # [B_r, d] per chunk, as received in forward
-        sums = [[aggregate(c, g) for c, g in zip(per_rank, groups, strict=True)]
-                for per_rank, groups in zip(chunks, send_groups, strict=True)]
-        out_shapes = [[(s.shape[0], s.shape[1]) for s in per_rank] for per_rank in sums]
+        # this rank's gradients of the chunks it received [B_r, d] -> [U, d] sums where grouped
+        flat, sizes = aggregate_flat(grad.contiguous(), [s for per_rank in ex.recv_shapes for s in per_rank],
+                                     [g for per_rank in send_groups for g in per_rank])
+        it = iter(sizes)
+        out_shapes = [[next(it) for _ in per_rank] for per_rank in ex.recv_shapes]
         in_shapes = [[(g.first.numel(), d) if g is not None else (n, d)
                       for (n, d), g in zip(per_rank, groups, strict=True)]
                      for per_rank, groups in zip(ex.send_shapes, recv_groups, strict=True)]
-        flat = [s.reshape(-1) for per_rank in sums for s in per_rank]
-        recv = ex.exchange(torch.cat(flat) if flat else grad.new_zeros(0), out_shapes, in_shapes, ex.bwd, "bwd_a2a")
-        full = [expand(x, g) for per_rank, groups in zip(ex._split(recv, in_shapes), recv_groups, strict=True)
-                for x, g in zip(per_rank, groups, strict=True)]
-        return (torch.cat([x.reshape(-1) for x in full]) if full else grad.new_zeros(0)), None
+        recv = ex.exchange(flat, out_shapes, in_shapes, ex.bwd, "bwd_a2a")
+        return expand_flat(recv, [s for per_rank in in_shapes for s in per_rank],
+                           [g for per_rank in recv_groups for g in per_rank]), None

@@ -41,58 +41,160 @@ class ReceiveGroups:
 
 GradGroups = tuple[list[list[SendGroups | None]], list[list[ReceiveGroups | None]]]  # [rank][chunk]
 
-
-def _groups(ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """ids [sum(lengths)], lengths [B] -> (group [B] with -1 where a sample has no id, U), or None when a
-    sample has more than one id."""
-    if lengths.numel() and int(lengths.max()) > 1:
-        return None
-    present = lengths == 1
-    group = torch.full(lengths.shape, -1, dtype=torch.int64, device=lengths.device)
-    uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    group[present] = inverse
-    return group, int(uniq.numel())
+ID_BITS = 40  # grouping keys: the id in the low bits (table rows stay far below 2**40), the piece above
 
 
-def send_groups(ids: torch.Tensor, lengths: torch.Tensor, weighted: bool) -> SendGroups | None:
-    """For a piece this rank will send back: its own samples' ids and lengths in the shard."""
+def _groups(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, int] | None]:
+    """pieces of (ids [sum(lengths)], lengths [B]) -> per piece (group [B], -1 where a sample has no id; U), or
+    None when a sample has more than one id. One sort for all pieces: a few hundred small ones per step
+    otherwise cost more than the bytes they save on a fast link."""
+    out: list[tuple[torch.Tensor, int] | None] = [None] * len(pieces)
+    if not pieces:
+        return out
+    longest = torch.stack([n.max() if n.numel() else n.new_zeros(()) for _, n in pieces]).tolist()
+    ok = [k for k, m in enumerate(longest) if m <= 1]
+    if not ok:
+        return out
+    ids = [pieces[k][0].to(torch.int64) for k in ok]
+    keys = torch.cat([i + (j << ID_BITS) for j, i in enumerate(ids)])
+    uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+    counts = torch.bincount(uniq >> ID_BITS, minlength=len(ok)).tolist()
+    start = 0
+    for j, (k, inv) in enumerate(zip(ok, torch.split(inverse, [i.numel() for i in ids]), strict=True)):
+        lengths = pieces[k][1]
+        group = torch.full(lengths.shape, -1, dtype=torch.int64, device=lengths.device)
+        group[lengths == 1] = inv - start
+        out[k] = (group, counts[j])
+        start += counts[j]
+    return out
+
+
+def send_groups(pieces: list[tuple[torch.Tensor, torch.Tensor]], weighted: bool) -> list[SendGroups | None]:
+    """For the pieces this rank will send back: its own samples' (ids, lengths) in each shard."""
     if weighted:
-        return None
-    g = _groups(ids, lengths)
-    return SendGroups(*g) if g is not None else None
+        return [None] * len(pieces)
+    return [SendGroups(*g) if g is not None else None for g in _groups(pieces)]
 
 
-def receive_groups(ids: torch.Tensor, lengths: torch.Tensor, weighted: bool) -> ReceiveGroups | None:
-    """For a piece this rank served: the ids and lengths it received for that rank's samples."""
+def receive_groups(pieces: list[tuple[torch.Tensor, torch.Tensor]], weighted: bool) -> list[ReceiveGroups | None]:
+    """For the pieces this rank served: the (ids, lengths) it received for the samples of each."""
     if weighted:
-        return None
-    g = _groups(ids, lengths)
-    if g is None:
-        return None
-    group, count = g
-    samples = torch.arange(group.numel(), device=group.device)
-    # first sample of each group: the minimum index per group (scatter_reduce "amin" is deterministic)
-    first = torch.full((count,), group.numel(), dtype=torch.int64, device=group.device)
-    present = group >= 0
-    first.scatter_reduce_(0, group[present], samples[present], reduce="amin")
-    return ReceiveGroups(first, group.numel())
+        return [None] * len(pieces)
+    out: list[ReceiveGroups | None] = []
+    for g in _groups(pieces):
+        if g is None:
+            out.append(None)
+            continue
+        group, count = g
+        present = group >= 0
+        samples = torch.arange(group.numel(), device=group.device)
+        # first sample of each group: the minimum index (scatter_reduce "amin" is deterministic)
+        first = torch.full((count,), group.numel(), dtype=torch.int64, device=group.device)
+        first.scatter_reduce_(0, group[present], samples[present], reduce="amin")
+        out.append(ReceiveGroups(first, group.numel()))
+    return out
 
 
-def aggregate(grad: torch.Tensor, plan: SendGroups | None) -> torch.Tensor:
-    """grad [B, d] -> [U, d] sums per distinct id (summed in sample order, the same on every device)."""
-    if plan is None:
-        return grad
-    present = plan.group >= 0
-    rows, sums = aggregate_rows(plan.group[present], grad[present])
-    if rows.numel() != plan.count:  # every group has a sample by construction
-        raise RuntimeError(f"gradient aggregation: {rows.numel()} groups, expected {plan.count}")
-    return sums
+def aggregate_flat(flat: torch.Tensor, shapes: list[tuple[int, int]], groups: list[SendGroups | None]
+                   ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The backward buffer of all chunks (rank-major, chunk k [n_k, d_k]) -> (the buffer to send, its chunk
+    shapes): grouped chunks become [U_k, d_k] sums, the others stay as they are.
+
+    All chunks of one width (the usual case) take one pass over the buffer viewed as [N, d], without copying
+    chunks out: each row's destination (its group, offset by the chunk; its own row for an ungrouped chunk;
+    a discarded extra row where a sample has no id) is one index vector."""
+    widths = {d for _, d in shapes}
+    if len(widths) != 1 or not shapes:
+        chunks = list(torch.split(flat, [n * d for n, d in shapes]))
+        sums = aggregate([c.view(n, d) for c, (n, d) in zip(chunks, shapes, strict=True)], groups)
+        return (torch.cat([x.reshape(-1) for x in sums]) if sums else flat[:0]), [tuple(x.shape) for x in sums]
+    d = widths.pop()
+    index, out_shapes, total = [], [], 0
+    for (n, _), g in zip(shapes, groups, strict=True):
+        if g is None:
+            index.append(torch.arange(total, total + n, device=flat.device))
+            out_shapes.append((n, d))
+            total += n
+        else:
+            index.append(torch.where(g.group >= 0, g.group + total, g.group))  # -1: the sample has no id
+            out_shapes.append((g.count, d))
+            total += g.count
+    where = torch.cat(index)
+    where = torch.where(where < 0, total, where)  # samples without an id -> the extra row, dropped
+    rows = flat.view(-1, d)
+    if rows.is_cuda:  # index_add_ would add in a varying order (atomics): sum each group in a fixed order
+        keep = where < total
+        uniq, sums = aggregate_rows(where[keep], rows[keep])
+        out = rows.new_zeros(total, d)
+        out[uniq] = sums
+    else:  # a serial loop in row order: the same sums on every run
+        out = rows.new_zeros(total + 1, d).index_add_(0, where, rows)[:total]
+    return out.reshape(-1), out_shapes
 
 
-def expand(sums: torch.Tensor, plan: ReceiveGroups | None) -> torch.Tensor:
-    """[U, d] -> [B, d]: each sum on its id's first sample, zeros elsewhere."""
-    if plan is None:
-        return sums
-    out = sums.new_zeros(plan.batch, sums.shape[1])
-    out[plan.first] = sums
+def expand_flat(flat: torch.Tensor, shapes: list[tuple[int, int]], groups: list[ReceiveGroups | None]
+                ) -> torch.Tensor:
+    """The received buffer (chunk k [U_k, d_k] where grouped) -> the per-sample buffer [sum n_k * d_k]."""
+    widths = {d for _, d in shapes}
+    if len(widths) != 1 or not shapes:
+        chunks = [c.view(n, d) for c, (n, d) in zip(torch.split(flat, [n * d for n, d in shapes]), shapes,
+                                                     strict=True)]
+        full = expand(chunks, groups)
+        return torch.cat([x.reshape(-1) for x in full]) if full else flat[:0]
+    d = widths.pop()
+    positions, total = [], 0
+    for (n, _), g in zip(shapes, groups, strict=True):
+        if g is None:
+            positions.append(torch.arange(total, total + n, device=flat.device))
+            total += n
+        else:
+            positions.append(g.first + total)
+            total += g.batch
+    out = flat.new_zeros(total, d)
+    out[torch.cat(positions)] = flat.view(-1, d)
+    return out.reshape(-1)
+
+
+def _by_shape(tensors: list[torch.Tensor], groups: list) -> dict[tuple, list[int]]:
+    """Indices of the grouped pieces, by (width, dtype, device): each class is handled in one pass."""
+    classes: dict[tuple, list[int]] = {}
+    for k, (t, g) in enumerate(zip(tensors, groups, strict=True)):
+        if g is not None:
+            classes.setdefault((t.shape[1], t.dtype, t.device), []).append(k)
+    return classes
+
+
+def aggregate(grads: list[torch.Tensor], groups: list[SendGroups | None]) -> list[torch.Tensor]:
+    """Per piece grad [B, d] -> [U, d] sums per distinct id (each summed in sample order, the same on every
+    device); pieces without groups are returned as they are."""
+    out = list(grads)
+    for ks in _by_shape(grads, groups).values():
+        rows, values, offset = [], [], 0
+        for k in ks:
+            g = groups[k]
+            present = g.group >= 0
+            rows.append(g.group[present] + offset)
+            values.append(grads[k][present])
+            offset += g.count
+        uniq, sums = aggregate_rows(torch.cat(rows), torch.cat(values))
+        if uniq.numel() != offset:  # every group has a sample by construction
+            raise RuntimeError(f"gradient aggregation: {uniq.numel()} groups, expected {offset}")
+        for k, part in zip(ks, torch.split(sums, [groups[k].count for k in ks]), strict=True):
+            out[k] = part
+    return out
+
+
+def expand(sums: list[torch.Tensor], groups: list[ReceiveGroups | None]) -> list[torch.Tensor]:
+    """Per piece [U, d] -> [B, d]: each sum on its id's first sample, zeros elsewhere."""
+    out = list(sums)
+    for ks in _by_shape(sums, groups).values():
+        sizes = [groups[k].batch for k in ks]
+        full = sums[ks[0]].new_zeros(sum(sizes), sums[ks[0]].shape[1])
+        starts = [0]
+        for n in sizes[:-1]:
+            starts.append(starts[-1] + n)
+        full[torch.cat([groups[k].first + s for k, s in zip(ks, starts, strict=True)])] = torch.cat(
+            [sums[k] for k in ks])
+        for k, part in zip(ks, torch.split(full, sizes), strict=True):
+            out[k] = part
     return out

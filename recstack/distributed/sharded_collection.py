@@ -22,7 +22,7 @@ import torch.distributed as dist
 from recstack.data.batch import SparseFeatures
 from recstack.distributed import grad_aggregation as ga
 from recstack.distributed.comm import CommStats, PooledExchange, all_to_all_variable
-from recstack.distributed.grad_aggregation import GradGroups, SendGroups
+from recstack.distributed.grad_aggregation import GradGroups
 from recstack.distributed.sharding import Shard, table_shards
 from recstack.embedding.collection import EmbeddingCollection, FusedEmbeddingBagCollection, TableConfig, init_table
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
@@ -182,7 +182,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         lengths = sparse.lengths.view(sparse.num_features, b)  # [F, B]
         starts = sparse.offsets[:-1:b].tolist() + [int(sparse.offsets[-1])]
         send_ids, send_w = [], []
-        send_groups: list[list[SendGroups | None]] = []
+        send_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, lengths) of every piece sent, rank-major
         for r in range(self.world):
             lens, ids, ws = [], [], []
             for f, s in self.pairs[r]:
@@ -198,9 +198,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                     lens.append(lengths[f])
                     ids.append(fid)
                     ws.append(fw)
-            if self.aggregate_gradients and torch.is_grad_enabled():
-                weighted = sparse.weights is not None
-                send_groups.append([ga.send_groups(i, ln, weighted) for i, ln in zip(ids, lens, strict=True)])
+            send_pieces.extend(zip(ids, lens, strict=True))
             head = torch.tensor([b], dtype=torch.int64, device=sparse.ids.device)
             send_ids.append(torch.cat([head, *lens, *ids]))
             if sparse.weights is not None:
@@ -230,11 +228,13 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         groups = None
         # Grouping is skipped under no_grad (evaluation), never by self.training: the loader thread may route a
         # training batch while the main thread evaluates, and every rank must group the same batches.
-        if self.aggregate_gradients and torch.is_grad_enabled():  # the owner side: the ids it got from each rank
+        if self.aggregate_gradients and torch.is_grad_enabled():
             weighted = sparse.weights is not None
-            recv_groups = [[ga.receive_groups(pair_ids[p][r], pair_lens[p][r], weighted) for p in range(n)]
-                           for r in range(self.world)]
-            groups = (send_groups, recv_groups)
+            sent = ga.send_groups(send_pieces, weighted)  # this rank's samples, per owner and pair
+            served = ga.receive_groups([(pair_ids[p][r], pair_lens[p][r]) for r in range(self.world)
+                                        for p in range(n)], weighted)  # the owner side: ids it got from each rank
+            per_owner = [len(self.pairs[r]) for r in range(self.world)]
+            groups = (_nest(sent, per_owner), _nest(served, [n] * self.world))
         return batch_sizes, list(zip(ids_out, lens_out, strict=True)), w_out, groups
 
     def forward(self, sparse: SparseFeatures) -> torch.Tensor:
@@ -317,6 +317,15 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 s = self.shards[t][si]
                 full[s.row0 : s.row1, s.col0 : s.col1] = w
         return full
+
+
+def _nest(flat: list, sizes: list[int]) -> list[list]:
+    """A flat list -> consecutive sublists of the given sizes."""
+    out, pos = [], 0
+    for n in sizes:
+        out.append(flat[pos : pos + n])
+        pos += n
+    return out
 
 
 def sparse_select(sparse: SparseFeatures, features: list[int]) -> SparseFeatures:
