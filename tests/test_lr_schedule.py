@@ -84,6 +84,20 @@ def test_resume_continues_the_schedule(tiny_dataset: Path, tmp_path: Path) -> No
     assert {k: out[k] for k in ("auc", "logloss", "steps")} == {k: whole[k] for k in ("auc", "logloss", "steps")}
 
 
+
+def test_tiered_tables_follow_the_schedule(tiny_dataset: Path, tmp_path: Path) -> None:
+    """Host- and ssd-cached tables (memory budgets) train as the all-in-memory ones under the same schedule."""
+    sched = ["train.max_steps=40", "optim.lr_warmup_steps=10", "optim.lr_decay_start_step=20",
+             "optim.lr_decay_steps=15"]
+    budgets = ['memory.device="4392"', 'memory.host="10800"', f'memory.ssd_dir="{tmp_path / "ssd"}"']
+    ref = _trainer(tiny_dataset, None, sched).train()
+    tiered = _trainer(tiny_dataset, None, [*sched, *budgets])
+    assert any(type(m).__name__ == "TieredEmbeddingCollection" for m in tiered.model.modules())
+    run = tiered.train()
+    plain = _trainer(tiny_dataset, None, ["train.max_steps=40"]).train()
+    assert {k: run[k] for k in ("auc", "logloss")} == {k: ref[k] for k in ("auc", "logloss")} != \
+        {k: plain[k] for k in ("auc", "logloss")}
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["optim.lr_warmup_steps=-1"], "optim.lr_warmup_steps: must be >= 0"),
     (["optim.lr_decay_steps=-3"], "optim.lr_decay_steps: must be >= 0"),
