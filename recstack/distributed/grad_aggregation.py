@@ -124,9 +124,9 @@ def aggregate_flat(flat: torch.Tensor, shapes: list[tuple[int, int]], groups: li
     rows = flat.view(-1, d)
     if rows.is_cuda:  # index_add_ would add in a varying order (atomics): sum each group in a fixed order
         keep = where < total
-        uniq, sums = aggregate_rows(where[keep], rows[keep])
-        out = rows.new_zeros(total, d)
-        out[uniq] = sums
+        uniq, out = aggregate_rows(where[keep], rows[keep])  # groups 0..total-1, each with a row
+        if uniq.numel() != total:
+            raise RuntimeError(f"gradient aggregation: {uniq.numel()} groups, expected {total}")
     else:  # a serial loop in row order: the same sums on every run
         out = rows.new_zeros(total + 1, d).index_add_(0, where, rows)[:total]
     return out.reshape(-1), out_shapes
