@@ -19,6 +19,7 @@ from recstack.compression import EbFormatError, decode, describe, encode, encode
 from recstack.compression import eb as eb_module
 from recstack.compression.codec import EbCodec
 from recstack.compression.format import HEADER, HEADER_SIZE, _message_checksum
+from recstack.compression.quantize import TIGHTEN
 from recstack.distributed.codecs import Codec, CodecError, get_codec
 from recstack.distributed.comm import decode_chunks, encode_chunks
 
@@ -243,6 +244,67 @@ def test_wrong_version_and_magic_are_named():
     with pytest.raises(EbFormatError, match="magic"):
         decode(torch.zeros(100, dtype=torch.uint8))
     assert math.isfinite(describe(MESSAGES[0]).eb_abs)
+
+
+@pytest.mark.parametrize("lossless", LAYOUTS)
+def test_header_bit_flips_that_cancel_modulo_a_prime_are_caught(lossless):
+    """Header bits k and k + 61 flipped in opposite directions: equal modulo 2^61 - 1, so a header folded in by
+    that modulus kept its checksum; here it is a bit of qmin (which shifts every value) and a bit of step."""
+    msg = encode(torch.rand(256, 16, generator=torch.Generator().manual_seed(0)), 0.03, lossless=lossless)
+    b = bytearray(msg.numpy().tobytes())
+    bit = lambda k: (b[k // 8] >> (k % 8)) & 1  # noqa: E731
+    a = next(320 + i for i in range(2, 12) if bit(320 + i) != bit(259 + i))  # qmin bit, its partner in step
+    for k in (a, a - 61):
+        b[k // 8] ^= 1 << (k % 8)
+    with pytest.raises(EbFormatError, match="checksum"):
+        decode(torch.frombuffer(b, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("lossless", LAYOUTS)
+@pytest.mark.parametrize("flush", [False, True])
+def test_bounds_below_the_smallest_normal_float_hold_also_when_subnormals_flush(lossless, flush):
+    """eb_abs under 2^-126: the float32 check limit would round past it, and with flush-to-zero a subnormal
+    quantizes to 0. Such bounds get a lossless copy; at 2^-126 and above a flushed subnormal errs less."""
+    tiny = 2.0**-126
+    x = np.zeros((64, 16), np.float32)
+    x[:, 0], x[:, 1], x[:, 2] = 0.9 * tiny, 100 * tiny, -100 * tiny
+    # Values whose float32 error on the grid of this bound lies between the bound and float32(bound x CHECK).
+    fine = 1.8367097830299777e-39
+    step32 = np.float32(2 * fine * TIGHTEN)
+    near = np.array([3.672525001245085e-33, 3.672521327825239e-33, 3.672528674664931e-33], np.float32)
+    y = np.concatenate([near, (np.arange(10**6, 10**6 + 4093, dtype=np.float32) * step32)]).reshape(64, 64)
+    torch.set_flush_denormal(flush)  # returns whether the CPU supports it, not the previous mode (off by default)
+    try:
+        msgs = [(encode(torch.from_numpy(v), b, relative=False, lossless=lossless), v, b)
+                for v, b in ((x, 0.6 * tiny), (y, fine), (x, tiny), (x, 3 * tiny))]
+    finally:
+        torch.set_flush_denormal(False)
+    for msg, v, b in msgs:
+        err = np.abs(v.astype(np.float64) - decode(msg).numpy().astype(np.float64)).max()
+        assert err <= b, (b, err)
+    assert describe(msgs[0][0]).kind == 0 and describe(msgs[3][0]).kind == 1  # raw below 2^-126, quantized above
+
+
+def test_a_quantized_header_of_no_columns_is_refused_before_any_work():
+    """N = 2^30 rows of D = 0 passes N x D < 2^31; the message would make the decoder expand 2^30 row tokens."""
+    from recstack.compression.format import FLAG_DEDUP, FLAG_ZSTD, QUANTIZED, Header, assemble
+
+    header = Header(1, QUANTIZED, FLAG_ZSTD | FLAG_DEDUP, 1 << 30, 0, 0.0, 0.0, 1.0, 0, 1, 1, 0, 0, 0)
+    msg = assemble(header, [torch.zeros(9, dtype=torch.uint8), torch.zeros(9, dtype=torch.uint8)], torch.device("cpu"))
+    with pytest.raises(EbFormatError, match="N=1073741824 x D=0"):
+        decode(msg)
+    wide = Header(1, QUANTIZED, FLAG_ZSTD, 1, 1 << 31, 0.0, 0.0, 1.0, 0, 1, 1, 0, 0, 0)
+    with pytest.raises(EbFormatError, match="inconsistent sizes"):
+        decode(assemble(wide, [torch.zeros(9, dtype=torch.uint8)], torch.device("cpu")))
+
+
+@pytest.mark.parametrize("lossless", LAYOUTS)
+def test_a_message_in_a_strided_tensor_decodes(lossless):
+    x = torch.randn(128, 16)
+    msg = encode(x, 0.03, lossless=lossless)
+    spread = torch.zeros(2 * msg.numel(), dtype=torch.uint8)
+    spread[::2] = msg
+    assert torch.equal(decode(spread[::2]), decode(msg)) and describe(spread[::2]) == describe(msg)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

@@ -54,7 +54,9 @@ def test_table_overrides_and_backward_scale():
 @pytest.mark.parametrize("override,match", [
     ("compression.bound_mode=\"pct\"", "bound_mode"), ("compression.schedule_c=0.5", "schedule_c"),
     ("compression.tight_min_rows=5", "tight_min_rows"), ("compression.table_bounds={C1=-1}", "C1"),
-    ("compression.dump_steps=[0]", "dump_steps"), ("compression.lossless=\"lz4\"", "lossless")])
+    ("compression.dump_steps=[0]", "dump_steps"), ("compression.lossless=\"lz4\"", "lossless"),
+    ("compression.schedule_c=inf", "schedule_c"), ("compression.base_bound=inf", "base_bound"),
+    ("compression.backward_scale=nan", "backward_scale"), ("compression.table_bounds={C1=inf}", "C1")])
 def test_config_errors_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])

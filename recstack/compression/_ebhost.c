@@ -157,7 +157,8 @@ static PyObject *encode_front(PyObject *self, PyObject *args) {
         eb_abs = relative ? bound * (hi_d - lo_d) : bound;
         step = 2.0 * eb_abs * tighten;
         /* host.quantize_safe and native.quantize: finite, safe, narrow */
-        ok = finite && lo <= hi && eb_abs > 0 && isfinite(eb_abs) && m <= safe_ratio * eb_abs && step <= FLT_MAX;
+        ok = finite && lo <= hi && eb_abs >= FLT_MIN && isfinite(eb_abs) && m <= safe_ratio * eb_abs &&
+             step <= FLT_MAX; /* quantize.usable_bound */
         if (ok) {
             const float step32 = (float)step;
             ok = step32 >= FLT_MIN && m + step32 <= (double)FLT_MAX * (1.0 - 0x1p-20);

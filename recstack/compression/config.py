@@ -9,6 +9,7 @@ multiplier that decays from c = 2 to 1 over the first 65,536 iterations in 10 st
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,17 +46,18 @@ class CompressionConfig:
         if self.bound_mode not in ("rel", "abs"):
             raise bad("bound_mode", "must be rel or abs")
         for name in ("tight_bound", "base_bound", "loose_bound", "backward_scale"):
-            if not getattr(self, name) >= 0.0:
-                raise bad(name, "must be >= 0")
+            if not 0.0 <= getattr(self, name) < math.inf:
+                raise bad(name, "must be finite and >= 0")
         for name, value in self.table_bounds.items():
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise CompressionConfigError(f"compression.table_bounds.{name}: must be a number >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise CompressionConfigError(f"compression.table_bounds.{name}: must be a finite number >= 0, "
+                                             f"got {value!r}")
         if self.tight_min_rows <= self.loose_max_rows:
             raise bad("tight_min_rows", f"must be larger than loose_max_rows={self.loose_max_rows}")
         if self.schedule not in SCHEDULES:
             raise bad("schedule", f"must be one of {', '.join(SCHEDULES)}")
-        if not self.schedule_c >= 1.0:
-            raise bad("schedule_c", "must be >= 1")
+        if not 1.0 <= self.schedule_c < math.inf:
+            raise bad("schedule_c", "must be finite and >= 1")
         if self.schedule_stage < 1:
             raise bad("schedule_stage", "must be >= 1")
         if self.lossless not in ("auto", "zstd", "bitpack"):

@@ -4,7 +4,8 @@ Layout (all little-endian)::
 
     offset  size  field
     0       4     magic b"RSEB"
-    4       1     format version (2; version 1 paired codes by zigzag, not by offset)
+    4       1     format version (3; version 2 folded the header into the checksum modulo 2^61 - 1, version 1
+                  paired codes by zigzag, not by offset)
     5       1     original dtype code (1 float32, 2 float16, 3 bfloat16)
     6       1     body kind (0 raw: lossless copy of the values, 1 quantized)
     7       1     flags (see FLAG_*)
@@ -29,6 +30,7 @@ turns into values. The checksum is computed with tensor ops so that messages on 
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 
@@ -39,7 +41,7 @@ from recstack.compression import native
 from recstack.distributed.codecs import CodecError
 
 MAGIC = b"RSEB"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<4sBBBBIIdddiIIIII")  # everything before the checksum
 HEADER_SIZE = HEADER.size + 8  # + uint64 checksum
 _CHECKSUM = struct.Struct("<Q")
@@ -124,7 +126,9 @@ def checksum_np(body: np.ndarray) -> int:
 
 
 def _combine(head: bytes, body_sum: int) -> int:
-    h = int.from_bytes(head[: HEADER.size], "little") % ((1 << 61) - 1)
+    """The message checksum from its header bytes (a 64-bit BLAKE2b digest: any change of the header, however
+    many bits, changes it but with probability 2^-64) and the body's checksum."""
+    h = int.from_bytes(hashlib.blake2b(head[: HEADER.size], digest_size=8).digest(), "little")
     return (body_sum * 0x100000001B3 + h) & _MASK64
 
 
@@ -162,6 +166,7 @@ def parse(message: torch.Tensor, host_views: bool = False) -> tuple[Header, list
     numpy alone (zstd, no exact values), which saves that decoder a tensor op per section)."""
     if message.dtype != torch.uint8 or message.dim() != 1:
         raise EbFormatError(f"eb: a message is a 1-D uint8 tensor, got {message.dtype} of shape {tuple(message.shape)}")
+    message = message.contiguous()  # a strided view of the bytes (buf[::2]) reads as the bytes themselves
     n = message.numel()
     if n < HEADER_SIZE:
         raise EbFormatError(f"eb: message of {n} bytes is shorter than the {HEADER_SIZE}-byte header (truncated?)")
@@ -180,7 +185,7 @@ def parse(message: torch.Tensor, host_views: bool = False) -> tuple[Header, list
     h = Header(*fields[2:16])
     if h.dtype_code not in DTYPES or h.kind not in (RAW, QUANTIZED) or h.flags & ~KNOWN_FLAGS:
         raise EbFormatError(f"eb: unknown dtype {h.dtype_code}, body kind {h.kind} or flags {h.flags:#x}")
-    if (h.rows * h.cols >= MAX_ELEMENTS or h.unique_rows > h.rows or h.exceptions > h.rows * h.cols
+    if (max(h.rows, h.cols, h.rows * h.cols) >= MAX_ELEMENTS or h.unique_rows > h.rows or h.exceptions > h.rows * h.cols
             or h.center >= max(h.levels, 1)):
         raise EbFormatError(f"eb: inconsistent sizes N={h.rows} D={h.cols} U={h.unique_rows} "
                             f"exact={h.exceptions}")

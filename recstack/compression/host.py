@@ -25,7 +25,15 @@ from recstack.compression.format import (
     Header,
     message_checksum_np,
 )
-from recstack.compression.quantize import FLOAT32_MAX, MAX_INDEX, MAX_LEVELS, SAFE_RATIO, TIGHTEN, is_safe
+from recstack.compression.quantize import (
+    FLOAT32_MAX,
+    MAX_INDEX,
+    MAX_LEVELS,
+    SAFE_RATIO,
+    TIGHTEN,
+    is_safe,
+    usable_bound,
+)
 
 _MULT = np.random.default_rng(0x5EB).integers(1, 2**63, 64, dtype=np.uint64) | np.uint64(1)
 
@@ -144,7 +152,7 @@ def quantize_safe(x: np.ndarray, eb_abs: float, lo: float, hi: float
     """Finite x whose grid needs no value check (see quantize.SAFE_RATIO) -> (codes, step, qmin, levels, the
     code counts of ``code_profile``'s sample or None above 256 levels), or None when the tensor path has to
     handle it (checks, exact values, constants)."""
-    if not (eb_abs > 0 and math.isfinite(eb_abs)) or max(abs(lo), abs(hi)) > SAFE_RATIO * eb_abs:
+    if not usable_bound(eb_abs) or max(abs(lo), abs(hi)) > SAFE_RATIO * eb_abs:
         return None
     step = 2.0 * eb_abs * TIGHTEN
     if step > FLOAT32_MAX:

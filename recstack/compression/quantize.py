@@ -30,6 +30,14 @@ MIN_NORMAL32 = 2.0**-126
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+def usable_bound(eb_abs: float) -> bool:
+    """Whether a grid may be built for eb_abs: finite and at least the smallest normal float32. Below it the
+    float32 check limit rounds past eb_abs, and a thread that flushes subnormals to zero (torch's
+    ``set_flush_denormal``) would quantize a subnormal x to 0 with an error above eb_abs; at or above it such
+    an x errs by less than eb_abs. Finer bounds are met by a lossless copy."""
+    return MIN_NORMAL32 <= eb_abs and math.isfinite(eb_abs)
+
+
 def is_safe(lo: float, hi: float, eb_abs: float, step32: float) -> bool:
     """Whether the grid provably keeps every value of [lo, hi] within eb_abs (see SAFE_RATIO): a normal
     step, values within SAFE_RATIO bounds of zero, and no reconstruction beyond float32's range."""
@@ -99,12 +107,12 @@ def quantize(x: torch.Tensor, eb_abs: float, lo: float, hi: float, all_finite: b
     ``lo``, ``hi``, ``all_finite``: from ``finite_range(x)``."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return None  # nothing finite to quantize
-    if lo == hi and not (eb_abs > 0 and math.isfinite(eb_abs)):
-        # Constant data with a zero bound: one level that decodes to the constant exactly (1 * lo).
+    if lo == hi and not usable_bound(eb_abs):
+        # Constant data with a zero (or too fine) bound: one level that decodes to the constant exactly (1 * lo).
         grid = Grid(0.0, lo, lo, 1, 1)
         q = torch.ones_like(x)
     else:
-        if not (eb_abs > 0 and math.isfinite(eb_abs)):
+        if not usable_bound(eb_abs):
             return None
         step = 2.0 * eb_abs * TIGHTEN
         if step > FLOAT32_MAX:
