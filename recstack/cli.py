@@ -73,17 +73,16 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def _cmd_synth(args: argparse.Namespace) -> None:
-    from recstack.config import parse_override
-    from recstack.data.synth import SynthConfig, generate
+    from recstack.config import parse_override, synth_config
+    from recstack.data.synth import generate
 
     values: dict = {"rows": args.rows, "seed": args.seed}
     for text in args.overrides:
         keys, value = parse_override(text)
-        values[keys[-1]] = value
-    try:
-        cfg = SynthConfig(**values)
-    except TypeError as e:
-        raise ConfigError(f"data synth: {e}") from e
+        if len(keys) != 1:
+            raise ConfigError(f"--set {text}: expected KEY=VALUE with a generator option (see SynthConfig) as KEY")
+        values[keys[0]] = value
+    cfg = synth_config(values)
     out = generate(cfg, Path(args.out), overwrite=args.overwrite)
     print(f"wrote {cfg.rows} synthetic rows to {out}")
 

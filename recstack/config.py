@@ -7,6 +7,7 @@ and values of the wrong type are errors that name the file and the key, never si
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -138,6 +139,10 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is types.NoneType:
+        if value is not None:
+            raise ConfigError(f"{where}: expected None, got {type(value).__name__} {value!r}")
+        return value
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
@@ -147,6 +152,11 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
         return [_check_type(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple and typing.get_args(tp)[-1] is Ellipsis:  # tuple[X, ...]: a list in TOML
+        item_tp = typing.get_args(tp)[0]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        return tuple(_check_type(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a table, got {type(value).__name__} {value!r}")
@@ -240,22 +250,106 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-def config_from_dict(values: dict[str, Any]) -> Config:
+def config_from_dict(values: dict[str, Any], *, check_device: bool = False) -> Config:
+    """A config from a dict (a checkpoint's saved config). ``train.device`` is checked for its form only unless
+    ``check_device``: a model trained on a GPU can be loaded on a machine without one."""
     cfg = Config()
     fill(cfg, values, "config")
-    validate(cfg)
+    validate(cfg, check_device=check_device)
     return cfg
 
 
-def validate(cfg: Config) -> None:
-    """Cross-field checks that the type system cannot express."""
+def synth_config(values: dict[str, Any], where: str = "SynthConfig") -> Any:
+    """``recstack.data.synth.SynthConfig`` from a table of its options; an unknown key, a value of the wrong
+    type or out of range is a ConfigError naming ``where`` and the key (``data.synth.rows: must be >= 1``)."""
+    from recstack.data.synth import SynthConfig
+
+    hints = typing.get_type_hints(SynthConfig)
+    names = [f.name for f in dataclasses.fields(SynthConfig)]
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"{where}: unknown key {key!r} (valid: {', '.join(sorted(names))})")
+        _check_type(value, hints[key], f"{where}.{key}")
+    try:
+        cfg = SynthConfig(**values)
+        cfg.ctr_per_vertical()  # target_ctr x the vertical spread must stay below 1
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        raise ConfigError(f"{where}.{msg.removeprefix('SynthConfig.')}" if msg.startswith("SynthConfig.")
+                          else f"{where}: {msg}") from e
+    return cfg
+
+
+def _check_device(name: str, check_available: bool) -> None:
+    """``train.device``: auto | cpu | cuda | cuda:N; with ``check_available``, a CUDA device must exist here."""
+    if name == "auto":
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ConfigError(f"train.device: {name!r} is not one of auto, cpu, cuda, cuda:N") from e
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index is not None):
+        raise ConfigError(f"train.device: {name!r} is not one of auto, cpu, cuda, cuda:N")
+    if device.type == "cuda" and check_available:
+        if not torch.cuda.is_available():
+            raise ConfigError(f"train.device: {name!r} but CUDA is not available on this machine "
+                              f"(use auto or cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"train.device: {name!r} but this machine has {torch.cuda.device_count()} CUDA "
+                              f"device(s)")
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Every numeric field within its range; each message names the field."""
+    m, o, t, d = cfg.model, cfg.optim, cfg.train, cfg.dist
+    at_least = {  # field -> (value, minimum)
+        "model.dcn_layers": (m.dcn_layers, 0),
+        "model.dcn_low_rank": (m.dcn_low_rank, 1),
+        "model.max_table_size": (m.max_table_size, 0),
+        "train.epochs": (t.epochs, 0),
+        "train.max_steps": (t.max_steps, 0),
+        "train.eval_every": (t.eval_every, 0),
+        "train.log_every": (t.log_every, 1),
+        "train.checkpoint_every": (t.checkpoint_every, 0),
+        "train.keep_checkpoints": (t.keep_checkpoints, 0),  # 0 = keep all
+        "train.threads": (t.threads, 0),
+        "train.seed": (t.seed, 0),
+        "dist.ranks_per_node": (d.ranks_per_node, 0),
+    }
+    for where, (value, low) in at_least.items():
+        if value < low:
+            raise ConfigError(f"{where}: must be >= {low}, got {value}")
+    if t.seed > 2**32 - 1:  # numpy's seed range
+        raise ConfigError(f"train.seed: must be <= 2**32 - 1, got {t.seed}")
+    if t.epochs == 0 and t.max_steps == 0:
+        raise ConfigError("train.epochs: 0 trains nothing (set train.epochs or train.max_steps)")
+    for where, widths in (("model.bottom_mlp", m.bottom_mlp), ("model.top_mlp", m.top_mlp)):
+        if any(w < 1 for w in widths):
+            raise ConfigError(f"{where}: every width must be >= 1, got {widths}")
+    for where, value in (("optim.dense_lr", o.dense_lr), ("optim.sparse_lr", o.sparse_lr),
+                         ("optim.adagrad_init", o.adagrad_init)):
+        if not 0.0 <= value < math.inf:
+            raise ConfigError(f"{where}: must be finite and >= 0, got {value}")
+    for where, value in (("optim.eps", o.eps), ("dist.timeout_s", d.timeout_s)):
+        if not 0.0 < value < math.inf:
+            raise ConfigError(f"{where}: must be finite and > 0, got {value}")
+
+
+def validate(cfg: Config, *, check_device: bool = True) -> None:
+    """Cross-field checks that the type system cannot express. ``check_device``: a CUDA ``train.device`` must
+    exist on this machine (off for a saved config that is only loaded here)."""
     m, o, t = cfg.model, cfg.optim, cfg.train
+    codecs = ("fp32", "fp16", "bf16", "fp8", "int8", "eb")
     choices = {
         "model.interaction": (m.interaction, ("dot", "cat", "dcn")),
         "optim.dense": (o.dense, ("sgd", "adagrad", "adam")),
         "optim.sparse": (o.sparse, ("sgd", "rowwise_adagrad")),
         "dist.sharding": (cfg.dist.sharding,
                           ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")),
+        "dist.forward_codec": (cfg.dist.forward_codec, codecs),
+        "dist.backward_codec": (cfg.dist.backward_codec, codecs),
         "memory.cache_policy": (cfg.memory.cache_policy, ("lru", "lfu")),
     }
     for where, (value, allowed) in choices.items():
@@ -263,6 +357,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(allowed)}")
     if m.embedding_dim <= 0:
         raise ConfigError("model.embedding_dim: must be positive")
+    _check_ranges(cfg)
+    _check_device(t.device, check_device)
+    if cfg.data.synth:
+        synth_config(cfg.data.synth, "data.synth")
     if not m.top_mlp or m.top_mlp[-1] != 1:
         raise ConfigError(f"model.top_mlp: must end in 1 (a logit), got {m.top_mlp}")
     if m.interaction == "dot" and m.bottom_mlp and m.bottom_mlp[-1] != m.embedding_dim:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,6 +151,86 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
         load_config(None, ["optim.sparse=adam"])
     cfg = load_config(None, ["optim.dense_lr=1", "train.device=cpu"])
     assert cfg.optim.dense_lr == 1.0 and cfg.train.device == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("train.log_every=0", "train.log_every"),
+        ("train.epochs=-1", "train.epochs"),
+        ("train.epochs=0", "train.epochs"),  # and no max_steps: nothing to train
+        ("train.max_steps=-3", "train.max_steps"),
+        ("train.eval_every=-5", "train.eval_every"),
+        ("train.checkpoint_every=-1", "train.checkpoint_every"),
+        ("train.keep_checkpoints=-1", "train.keep_checkpoints"),
+        ("train.threads=-1", "train.threads"),
+        ("train.seed=-1", "train.seed"),
+        ("train.seed=4294967296", "train.seed"),
+        ("model.max_table_size=-5", "model.max_table_size"),
+        ("model.bottom_mlp=[0, 16]", "model.bottom_mlp"),
+        ("model.top_mlp=[-4, 1]", "model.top_mlp"),
+        ("model.dcn_layers=-1", "model.dcn_layers"),
+        ("model.dcn_low_rank=0", "model.dcn_low_rank"),
+        ("optim.dense_lr=-0.1", "optim.dense_lr"),
+        ("optim.dense_lr=nan", "optim.dense_lr"),
+        ("optim.sparse_lr=inf", "optim.sparse_lr"),
+        ("optim.eps=0", "optim.eps"),
+        ("optim.adagrad_init=-1", "optim.adagrad_init"),
+        ("dist.timeout_s=0", "dist.timeout_s"),
+        ("dist.timeout_s=inf", "dist.timeout_s"),
+        ("dist.ranks_per_node=-1", "dist.ranks_per_node"),
+        ("dist.forward_codec=fp64", "dist.forward_codec"),
+        ("dist.backward_codec=int4", "dist.backward_codec"),
+        ("train.device=gpu", "train.device"),
+        ("train.device=cpu:1", "train.device"),
+        ("train.device=cuda:64", "train.device"),  # more devices than any machine here has, or no CUDA
+        ("data.synth.rowz=5", "data.synth: unknown key 'rowz'"),
+        ("data.synth.rows=abc", "data.synth.rows"),
+        ("data.synth.rows=-5", "data.synth.rows"),
+        ("data.synth.table_sizes=[10, 'a']", "data.synth.table_sizes[1]"),
+        ("data.synth.target_ctr=1.5", "data.synth.target_ctr"),
+    ],
+)
+def test_out_of_range_values_name_the_field(override: str, field: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        load_config(None, [override])
+
+
+def test_cuda_device_needs_cuda_but_a_saved_config_loads_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from recstack.config import config_from_dict
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(ConfigError, match="train.device: .* CUDA is not available"):
+            load_config(None, [f"train.device={device}"])
+        # a checkpoint trained on a GPU still loads here (inference picks its own device)
+        assert config_from_dict({"train": {"device": device}}).train.device == device
+    with pytest.raises(ConfigError, match="train.device"):
+        config_from_dict({"train": {"device": "gpu"}})
+    assert load_config(None, ["train.device=auto", "train.max_steps=5", "train.epochs=0"]).train.device == "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert load_config(None, ["train.device=cuda:1"]).train.device == "cuda:1"
+    with pytest.raises(ConfigError, match=r"train.device: 'cuda:2' but this machine has 2 CUDA device\(s\)"):
+        load_config(None, ["train.device=cuda:2"])
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("data.synth.num_dense=2", "--set data.synth.num_dense=2: expected KEY=VALUE"),
+        ("rowz=5", "SynthConfig: unknown key 'rowz'"),
+        ("num_dense=abc", "SynthConfig.num_dense: expected int"),
+    ],
+)
+def test_data_synth_options_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixture, option: str,
+                                         message: str) -> None:
+    out = tmp_path / "synth"
+    assert main(["data", "synth", "--out", str(out), "--rows", "200", "--set", option]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_override_sets_one_key_of_a_table() -> None:
