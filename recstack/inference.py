@@ -13,7 +13,7 @@ from recstack.config import Config, config_from_dict
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
 from recstack.metrics import BinaryMetrics
-from recstack.models.build import build_model
+from recstack.models.build import build_model, capped_table_sizes
 from recstack.models.dlrm import DLRM
 
 
@@ -37,14 +37,41 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
     return cfg, model
 
 
-def _loader(cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int) -> BatchLoader:
+def check_data(cfg: Config, model: DLRM, data: PreparedDataset) -> None:
+    """Raise a ValueError naming the data set and the first feature whose layout the model does not have
+    (dense features, sparse features, each feature's table size and which features share a table)."""
     emb = model.embeddings
     sizes = [emb.tables[t].num_embeddings for t in emb.feature_table]  # per feature (tables may be shared)
+    trained_on = f" (trained on {cfg.data.train})" if cfg.data.train else ""
     if len(data.sparse_features) != len(sizes) or len(data.dense_features) != model.num_dense:
         raise ValueError(
             f"{data.path}: {len(data.dense_features)} dense / {len(data.sparse_features)} sparse features, "
-            f"the model expects {model.num_dense} / {len(sizes)}"
+            f"the model{trained_on} expects {model.num_dense} / {len(sizes)}"
         )
+    have = capped_table_sizes(data.table_sizes, cfg.model.max_table_size)
+    names, tables = data.table_names, emb.feature_table
+    for i, s in enumerate(data.sparse_features):
+        if have[i] != sizes[i]:
+            cap = cfg.model.max_table_size
+            capped = f" (capped at model.max_table_size={cap})" if have[i] != s.num_embeddings else ""
+            raise ValueError(
+                f"{data.path}: sparse feature #{i + 1} ({s.name!r}) has a table of {have[i]} rows{capped}, the "
+                f"model's{trained_on} has {sizes[i]}: the data was prepared with other statistics than the "
+                "training data (prepare it with --stats-from the training output, or the same Criteo "
+                "--max-ind-range)"
+            )
+        # Features share a table in the data exactly when they share one in the model.
+        if names.index(names[i]) != tables.index(tables[i]):
+            raise ValueError(
+                f"{data.path}: sparse feature #{i + 1} ({s.name!r}) looks up table {names[i]!r}, which does not "
+                "match how the model's features share tables"
+            )
+
+
+def _loader(cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int) -> BatchLoader:
+    check_data(cfg, model, data)
+    emb = model.embeddings
+    sizes = [emb.tables[t].num_embeddings for t in emb.feature_table]
     caps = sizes if cfg.model.max_table_size > 0 else None
     return BatchLoader(data, batch_size, drop_last=False, table_caps=caps)
 

@@ -26,6 +26,9 @@ def run(args: argparse.Namespace) -> dict:
         return summary
     print(json.dumps(summary, indent=2))
     auc, ne = summary.get("auc"), summary.get("ne")
+    if auc is None:  # no evaluation rows
+        print("final eval: none (no evaluation rows)")
+        return summary
     line = f"final eval: AUC {auc:.4f}  NE {ne:.4f}"
     if "oracle_auc" in summary:
         line += f"  (generator's oracle AUC {summary['oracle_auc']:.4f})"

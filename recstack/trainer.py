@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,7 @@ from recstack.checkpoint import latest_checkpoint, rng_state, save_checkpoint, s
 from recstack.compression.runtime import CompressionRuntime
 from recstack.config import Config
 from recstack.data.batch import Batch
-from recstack.data.format import PreparedDataset
+from recstack.data.format import PreparedDataset, layout_difference
 from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.logger import MetricsLogger
 from recstack.lr_schedule import LRScaler, LRSchedule
@@ -61,26 +62,59 @@ def optimizer_step(
 
 
 def prepare_data(cfg: Config, output_dir: Path | None) -> tuple[PreparedDataset, PreparedDataset, tuple[int, int]]:
-    """-> (train set, eval set, eval row range). Generates the synthetic set first when ``[data.synth]``."""
+    """-> (train set, eval set, eval row range). Generates the synthetic set first when ``[data.synth]``
+    (again when the set found there was generated with other options). An eval set must have the training
+    set's layout (features, tables and their sizes); the eval range may be empty (no evaluation)."""
     d = cfg.data
     train_path = d.train
     if d.synth:
-        from recstack.data.synth import SynthConfig, generate
-
         if not train_path:
             if output_dir is None:
                 raise ValueError("data.synth needs data.train or an output directory to write into")
             train_path = str(output_dir / "data")
-        if not (Path(train_path) / "meta.json").is_file():
-            generate(SynthConfig(**d.synth), Path(train_path), progress=cfg.train.progress)
+        _synthesize(cfg, Path(train_path))
     if not train_path:
         raise ValueError("data.train: no training data given (a prepared directory, or a [data.synth] table)")
     train = PreparedDataset(train_path)
     if d.eval:
         ev = PreparedDataset(d.eval)
+        diff = layout_difference(train, ev)
+        if diff is not None:
+            raise ValueError(
+                f"data.eval {ev.path} was prepared with a different layout than data.train {train.path}: {diff} "
+                "(train vs eval). Prepare the evaluation data with the training data's statistics (one prepare "
+                "with a split, --stats-from the training output, or the same Criteo --max-ind-range) so that ids "
+                "mean the same rows"
+            )
         return train, ev, (0, len(ev))
     n_eval = int(len(train) * d.eval_fraction)
     return train, train, (len(train) - n_eval, len(train))
+
+
+def _synthesize(cfg: Config, path: Path) -> None:
+    """Generate ``[data.synth]`` into ``path`` unless it already holds a set generated with these options."""
+    from recstack.data.synth import SynthConfig, generate
+
+    want = SynthConfig(**cfg.data.synth)
+    meta = path / "meta.json"
+    overwrite = False
+    if meta.is_file():
+        try:
+            info = json.loads(meta.read_text()).get("info", {})
+        except (ValueError, AttributeError):
+            info = {}
+        if not isinstance(info, dict) or info.get("generator") != "recstack.data.synth":
+            raise ValueError(f"{path} holds a data set that [data.synth] did not generate; not overwriting it "
+                             "(point data.train elsewhere, or remove [data.synth] to train on it)")
+        have = info.get("config")
+        if have == json.loads(json.dumps(want.to_dict())):
+            return
+        changed = sorted(k for k, v in json.loads(json.dumps(want.to_dict())).items()
+                         if not isinstance(have, dict) or have.get(k) != v)
+        print(f"{path}: generated with other [data.synth] options ({', '.join(changed)} differ); generating it "
+              "again", file=sys.stderr)
+        overwrite = True
+    generate(want, path, progress=cfg.train.progress, overwrite=overwrite)
 
 
 class Trainer:
@@ -102,6 +136,15 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         self.train_ds, self.eval_ds, eval_range = prepare_data(cfg, self.output_dir)
+        self.has_eval = eval_range[1] > eval_range[0]
+        if not self.has_eval:
+            why = (f"data.eval {self.eval_ds.path} has no rows" if self.eval_ds is not self.train_ds else
+                   f"data.eval_fraction={cfg.data.eval_fraction:g} of {len(self.train_ds)} training rows holds no row")
+            if t.target_auc:
+                raise ValueError(f"train.target_auc={t.target_auc:g} needs evaluation rows, but {why}")
+            if self.is_main:
+                print(f"no evaluation: {why}; training without it (summary.json gets no eval metrics)",
+                      file=sys.stderr)
         if self.eval_ds is self.train_ds:
             train_range = (0, eval_range[0])
         else:
@@ -296,7 +339,7 @@ class Trainer:
                     self.logger.log(self.step, "train", values)
                     bar.set_postfix(loss=f"{window_loss / window_n:.4f}", samples_s=f"{sps:,.0f}")
                     window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, now, 0.0, 0.0
-                if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
+                if t.eval_every and self.has_eval and self.step % t.eval_every == 0 and self.step < self.total_steps:
                     result = self.evaluate()  # on every rank the same (gathered) figures, so all stop together
                     self.logger.log(self.step, "eval", result)
                     tick = window_t0 = time.perf_counter()
@@ -312,9 +355,11 @@ class Trainer:
             if self.is_main:
                 print(f"reached train.target_auc={t.target_auc:g} at step {self.step} ({self.samples} samples)")
             final = reached
-        else:
+        elif self.has_eval:
             final = self.evaluate()
             self.logger.log(self.step, "eval", final)
+        else:
+            final = {}  # no evaluation rows: no metrics
         self.save()
         summary = self.summary(final)
         self.logger.close()
@@ -351,7 +396,7 @@ class Trainer:
         out: dict[str, Any] = {
             k: final[k] for k in ("auc", "logloss", "ne", "calibration", "accuracy") if k in final
         }
-        out["eval_examples"] = final.get("num_examples")
+        out["eval_examples"] = final.get("num_examples", 0)
         out["steps"] = self.step
         out["train_samples"] = self.samples
         out["samples_per_sec"] = self.samples / self.train_seconds if self.train_seconds else None
@@ -359,12 +404,14 @@ class Trainer:
         if self.cfg.train.target_auc:
             out["target_auc"] = self.cfg.train.target_auc
             out["target_reached_step"] = self.target_step  # None: not reached within the steps given
-        oracle = self.oracle_auc()
+        oracle = self.oracle_auc() if self.has_eval else None
         if oracle is not None:
             out["oracle_auc"] = oracle
-            out["auc_gap_closed"] = (out["auc"] - 0.5) / (oracle - 0.5) if oracle > 0.5 else None
+            out["auc_gap_closed"] = (out["auc"] - 0.5) / (oracle - 0.5) if oracle > 0.5 and "auc" in out else None
         if self.output_dir and self.is_main:
-            (self.output_dir / "summary.json").write_text(json.dumps(out, indent=2))
+            # An undefined metric (AUC of a one-class evaluation set) is null: JSON has no NaN.
+            safe = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}
+            (self.output_dir / "summary.json").write_text(json.dumps(safe, indent=2, allow_nan=False))
             from recstack.plots import plot_comm_breakdown, plot_curves
 
             plot_curves(self.output_dir / "metrics.jsonl", self.output_dir / "curves.png")

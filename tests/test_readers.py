@@ -293,3 +293,83 @@ def test_text_multi_hot_with_text_weights(tmp_path: Path) -> None:
     assert np.asarray(ds.column("tags.values")).tolist() == [3, 2, 0, 2]  # vocab by frequency: b=2, a=3
     assert np.asarray(ds.column("tags.weights")).tolist() == [0.5, 2.0, 1.0, 3.0]
     assert ds.batch(0, 3).sparse.weights.tolist() == [0.25, 1.0, 1.0, 3.0]  # mean pooling: weight / bag size
+
+
+def test_timestamps_of_any_unit_and_iso_text_become_whole_seconds(tmp_path: Path) -> None:
+    import datetime as dt
+
+    import pyarrow as pa
+
+    from recstack.data.columns import to_seconds
+
+    # pandas writes datetime64[ns]: sub-second precision is rounded down, whatever the unit or zone
+    base = dt.datetime(2024, 1, 1, 10, 0, 0)
+    times = [base + dt.timedelta(microseconds=250000), base + dt.timedelta(days=1),
+             base + dt.timedelta(days=4, microseconds=999000), base - dt.timedelta(days=20000, microseconds=1000)]
+    want = [1704103200, 1704189600, 1704448800, 1704103200 - 20000 * 86400 - 1]  # before 1970: still down
+    for unit in ("ms", "us", "ns"):
+        for tz in (None, "UTC", "Europe/Paris"):  # zoned values are instants: the zone changes nothing
+            secs, bad = to_seconds(pa.array(times, pa.timestamp("us")).cast(pa.timestamp(unit, tz=tz)))
+            assert secs.tolist() == want and not bad.any(), (unit, tz)
+    secs, _ = to_seconds(pa.array([dt.date(2024, 1, 2)], pa.date64()))
+    assert secs.tolist() == [1704153600]
+    # ISO 8601 text: Z, offsets, fractional seconds, no zone (UTC); decimal seconds like float seconds
+    text = ["2024-01-01T10:00:00Z", "2024-01-01T12:00:00+02:00", "2024-01-01 10:00:00.75", "2024-01-01T10:00",
+            "1704103200.5", "1704103200", "2024-01-01T10:00:00.123456789-00:30", "1969-12-31T23:59:59.5"]
+    secs, bad = to_seconds(pa.array(text))
+    assert not bad.any()
+    assert secs.tolist() == [1704103200] * 6 + [1704105000, -1]
+    for one in text:  # each alone (the vectorised casts) and mixed (the value-by-value path) agree
+        assert to_seconds(pa.array([one]))[0].tolist() == to_seconds(pa.array([one, "x", None]))[0][:1].tolist()
+    assert to_seconds(pa.array([1.5, -0.5]))[0].tolist() == [1, -1]
+    assert to_seconds(pa.array(["yesterday", "1e300", "nan", None]))[1].tolist() == [True] * 4
+    # end to end: a Parquet file with nanosecond timestamps, split by time
+    table = pa.table({"click": [1, 0, 1, 0], "item": ["a", "b", "a", "c"],
+                      "ts": pa.array(times, pa.timestamp("ns"))})
+    pq.write_table(table, tmp_path / "ts.parquet")
+    sch = schema_from_dict({"label": {"column": "click"}, "sparse": [{"name": "item"}],
+                            "columns": {"timestamp": "ts"},
+                            "split": {"method": "time", "valid_from": "2024-01-04T00:00:00Z"}})
+    rep = prepare_dataset(sch, [tmp_path / "ts.parquet"], tmp_path / "out", progress=False)
+    assert rep.rows == {"train": 3, "valid": 1}
+    train = np.asarray(PreparedDataset(tmp_path / "out" / "train").column("timestamp")).tolist()
+    assert train == [want[0], want[1], want[3]]
+
+
+def test_csv_byte_order_mark_is_not_part_of_the_first_column(tmp_path: Path) -> None:
+    sch = schema_from_dict({"label": {"column": "click"}, "dense": [{"name": "price"}], "sparse": [{"name": "c"}]})
+    (tmp_path / "bom.csv").write_text("\ufeffclick,price,c\n1,2.5,a\n0,3.5,b\n", encoding="utf-8")
+    (tmp_path / "bom.csv.gz").write_bytes(gzip.compress((tmp_path / "bom.csv").read_bytes()))
+    (tmp_path / "plain.csv").write_text("click,price,c\n1,2.5,a\n0,3.5,b\n")
+    for name in ("bom.csv", "bom.csv.gz", "plain.csv"):
+        prepare_dataset(sch, [tmp_path / name], tmp_path / f"{name}_out", progress=False)
+        assert _arrays(tmp_path / f"{name}_out")["labels"].tolist() == [1, 0]
+    ref = _arrays(tmp_path / "plain.csv_out")
+    for name in ("bom.csv", "bom.csv.gz"):
+        got = _arrays(tmp_path / f"{name}_out")
+        assert all(np.array_equal(got[k], ref[k]) for k in ref)
+    # without a header the first value keeps no mark either
+    headless = schema_from_dict({"source": {"header": False, "columns": ["click", "c"]},
+                                 "label": {"column": "click"}, "sparse": [{"name": "c", "encoding": "identity",
+                                                                           "size": 10}]})
+    (tmp_path / "nohdr.csv").write_text("\ufeff1,7\n0,3\n", encoding="utf-8")
+    prepare_dataset(headless, [tmp_path / "nohdr.csv"], tmp_path / "nohdr", progress=False)
+    assert _arrays(tmp_path / "nohdr")["labels"].tolist() == [1, 0]
+    from recstack.data.inspect import inspect_file
+
+    assert [c.name for c in inspect_file([tmp_path / "bom.csv"]).columns] == ["click", "price", "c"]
+
+
+def test_overwrite_with_a_split_removes_an_earlier_unsplit_output(tmp_path: Path) -> None:
+    path = tmp_path / "a.csv"
+    path.write_text("y,c\n" + "".join(f"{i % 2},v{i}\n" for i in range(50)))
+    plain = {"label": {"column": "y"}, "sparse": [{"name": "c"}]}
+    prepare_dataset(schema_from_dict(plain), [path], tmp_path / "out", progress=False)
+    (tmp_path / "out" / "notes.txt").write_text("mine")  # not a prepared file: stays
+    split = {**plain, "split": {"method": "fraction", "valid": 0.2}}
+    rep = prepare_dataset(schema_from_dict(split), [path], tmp_path / "out", progress=False, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["notes.txt", "train", "valid"]
+    assert sum(rep.rows.values()) == 50
+    # and back: an unsplit output replaces the split one
+    prepare_dataset(schema_from_dict(plain), [path], tmp_path / "out", progress=False, overwrite=True)
+    assert PreparedDataset(tmp_path / "out").num_rows == 50 and not (tmp_path / "out" / "train").exists()

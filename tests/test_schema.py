@@ -122,3 +122,21 @@ def test_infer_schema_from_libfm_positions(tmp_path: Path) -> None:
     assert sch.source.format == "libfm" and sch.source.fields == [f"field{i}" for i in range(10)]
     assert sch.label.threshold == 0.0 and not sch.dense
     assert [s.name for s in sch.sparse] == sch.source.fields
+
+
+def test_inferred_feature_names_are_valid_and_distinct(tmp_path: Path) -> None:
+    path = tmp_path / "names.csv"
+    header = ["label", "café", "été", "", "-x", "a b", "a_b", "a_b_2", "ok-name"]
+    rows = [["1", "1.5", "x", "y", "z", "p", "q", "r", "s"], ["0", "2.5", "w", "y", "z", "p", "q", "r", "t"]]
+    path.write_text("\n".join(",".join(r) for r in [header, *rows]) + "\n", encoding="utf-8")
+    sch, _ = infer_schema(inspect_file([path]))
+    features = {f.column: f.name for f in [*sch.dense, *sch.sparse]}
+    assert features == {"café": "caf_", "été": "_t_", "-x": "col-x", "a b": "a_b_3", "a_b": "a_b",
+                        "a_b_2": "a_b_2", "ok-name": "ok-name"}  # the nameless column is left out
+    text = schema_to_toml(sch)
+    again = schema_from_dict(tomllib.loads(text))  # validates
+    assert again == sch
+    (tmp_path / "s.toml").write_text(text, encoding="utf-8")
+    from recstack.data.prepare import prepare_dataset
+
+    prepare_dataset(load_schema(tmp_path / "s.toml"), [path], tmp_path / "out", progress=False)

@@ -7,6 +7,7 @@ caller can name the first bad row and column (or skip the rows) instead of faili
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from dataclasses import dataclass
 
@@ -111,37 +112,112 @@ def to_numbers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return vals, bad
 
 
+_UNIT_PER_SECOND = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
+# Text that ends in a zone designator: Z, +HH, +HHMM or +HH:MM after a time of day.
+_ZONED = r"[T ]\d{2}(:?\d{2}(:?\d{2}([.,]\d+)?)?)?\s*(Z|z|[+-]\d{2}(:?\d{2})?)$"
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_SECOND = dt.timedelta(seconds=1)
+
+
+def _floor_seconds(arr: pa.Array) -> np.ndarray:
+    """A timestamp or date array -> int64 [n] whole seconds since the epoch (UTC), rounded down; nulls 0.
+
+    The values are taken as integers in the column's own unit (UTC for zoned timestamps) and floor-divided,
+    so sub-second precision (pandas' nanoseconds) is dropped instead of failing a strict cast."""
+    t = arr.type
+    if pa.types.is_date32(t):
+        days = pc.fill_null(pc.cast(arr, pa.int32()), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        return days * 86400
+    if pa.types.is_date64(t):
+        ms = pc.fill_null(pc.cast(arr, pa.int64()), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        return ms // 1000
+    raw = pc.fill_null(pc.cast(arr, pa.int64()), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    return raw // _UNIT_PER_SECOND[t.unit]
+
+
+def _text_seconds(arr: pa.Array) -> np.ndarray | None:
+    """Vectorised text -> int64 seconds, or None when some value needs the one-at-a-time path.
+
+    Integer text is seconds; decimal text is seconds rounded down (like float seconds in Parquet); ISO 8601
+    date/times may have fractional seconds (rounded down) and a zone (Z, +HH:MM; converted to UTC), and
+    are UTC without one."""
+    try:
+        return pc.fill_null(pc.cast(arr, pa.int64()), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
+    try:
+        vals = pc.fill_null(pc.cast(arr, pa.float64()), 0.0).to_numpy(zero_copy_only=False)
+        if (np.abs(vals) < 2.0**63).all():  # finite and within int64
+            return np.floor(vals).astype(np.int64)
+        return None
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
+    zoned = pc.fill_null(pc.match_substring_regex(arr, _ZONED), False).to_numpy(zero_copy_only=False)
+    out = np.zeros(len(arr), np.int64)
+    for mask, tz in ((~zoned, None), (zoned, "UTC")):
+        if not mask.any():
+            continue
+        part = arr.filter(pa.array(mask))
+        for unit in ("ns", "us", "s"):  # ns holds any fraction but only the years 1678..2261
+            try:
+                out[mask] = _floor_seconds(pc.cast(part, pa.timestamp(unit, tz=tz)))
+                break
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                continue
+        else:
+            return None
+    return out
+
+
+def text_to_seconds(s: str) -> int:
+    """One text timestamp -> whole seconds since the epoch (UTC), rounded down; ValueError if it is none.
+
+    Integer or decimal seconds, or an ISO 8601 date/time (fractional seconds, a zone such as Z or +02:00;
+    UTC when it has none)."""
+    s = s.strip()
+    try:
+        return int(s)
+    except ValueError:
+        pass
+    try:
+        v = float(s)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(v):
+            raise ValueError(f"{s!r} is not a finite number of seconds")
+        return math.floor(v)
+    t = dt.datetime.fromisoformat(s)
+    t = t.replace(tzinfo=dt.UTC) if t.tzinfo is None else t.astimezone(dt.UTC)
+    return (t - _EPOCH) // _SECOND
+
+
 def to_seconds(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Timestamps -> (int64 seconds since the epoch [n], bad [n]); integers are seconds already, text is an
-    integer or an ISO 8601 date/time. Missing values are bad (a row needs its time)."""
+    """Timestamps -> (int64 whole seconds since the epoch [n], rounded down; bad [n]). Timestamp and date
+    columns keep their instant whatever their unit; numbers are seconds already; text is integer or decimal
+    seconds or an ISO 8601 date/time (see :func:`text_to_seconds`). Missing values are bad (a row needs its
+    time)."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     n, t = len(arr), arr.type
     missing = arr.is_null().to_numpy(zero_copy_only=False)
     if pa.types.is_timestamp(t) or pa.types.is_date(t):
-        secs = pc.cast(pc.cast(arr, pa.timestamp("s", tz=getattr(t, "tz", None))), pa.int64())
-        return secs.to_numpy(zero_copy_only=False).astype(np.int64, copy=False), missing
+        return _floor_seconds(arr), missing
     if is_numeric(t):
         vals = pc.cast(arr, pa.float64()).to_numpy(zero_copy_only=False)
-        bad = missing | ~np.isfinite(vals)
-        return np.where(bad, 0, np.floor(np.nan_to_num(vals))).astype(np.int64), bad
+        bad = missing | ~(np.abs(vals) < 2.0**63)  # NaN, infinite or beyond int64
+        return np.where(bad, 0, np.floor(np.where(bad, 0, vals))).astype(np.int64), bad
+    fast = _text_seconds(arr)
+    if fast is not None:
+        return np.where(missing, 0, fast), missing
     out, bad = np.zeros(n, np.int64), missing.copy()
-    for kind in (pa.int64(), pa.timestamp("s")):
-        try:
-            secs = pc.cast(pc.cast(arr, kind), pa.int64()).to_numpy(zero_copy_only=False)
-            return np.where(missing, 0, np.nan_to_num(secs)).astype(np.int64), bad
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            continue
     for i, s in enumerate(arr.to_pylist()):  # mixed or bad values: one at a time
         if s is None:
             continue
         try:
-            out[i] = int(s)
-        except (TypeError, ValueError):
-            try:
-                out[i] = pc.cast(pc.cast(pa.array([s]), pa.timestamp("s")), pa.int64())[0].as_py()
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                bad[i] = True
+            out[i] = text_to_seconds(s)
+        except (TypeError, ValueError, OverflowError):
+            bad[i] = True
     return out, bad
 
 

@@ -18,8 +18,8 @@ import pyarrow.compute as pc
 
 from recstack.data.columns import Bag, as_text, hash_strings, is_numeric, to_bag, to_numbers, to_seconds, truncate
 from recstack.data.format import SparseFeatureSpec
-from recstack.data.readers.base import BadRow, BadRowLog, DataError, RawChunk
-from recstack.data.schema import RESERVED_ROWS, Schema, SparseSpec
+from recstack.data.readers.base import BadRow, BadRowLog, DataError, RawChunk, report_in_order
+from recstack.data.schema import RESERVED_ROWS, Schema, SchemaError, SparseSpec
 
 MISSING, OOV = 0, 1
 
@@ -81,11 +81,14 @@ class Problems:
             self.bad |= mask
 
     def report(self, log: BadRowLog) -> np.ndarray:
-        """Log every bad row (raises on the first unless skipping); -> keep mask [n]."""
+        """Log every bad row, together with the records the reader rejected in this chunk, in file order
+        (raises on the first unless skipping); -> keep mask [n]."""
+        found: list[tuple[int, BadRow]] = []
         for i in np.flatnonzero(self.bad).tolist():
             mask, column, reason, values = next(f for f in self.found if f[0][i])
             value = values[i] if values is not None and i in values else self.chunk.table.column(column)[i].as_py()
-            log.add(BadRow(self.chunk.where(i), column, value, reason))
+            found.append((int(self.chunk.positions[i]), BadRow(self.chunk.where(i), column, value, reason)))
+        report_in_order(log, self.chunk.rejected, found)
         return ~self.bad
 
 
@@ -160,7 +163,8 @@ def _parse_sparse(chunk: RawChunk, s: SparseSpec, probs: Problems) -> Bag:
         probs.add(bag.too_many, s.column, "has several values but the feature is not multi_hot")
     if s.encoding == "identity":
         ids, bad_vals = _int_ids(bag.values)
-        out_of_range = ~bad_vals & ((ids < 0) | (ids >= s.size))
+        bad_vals |= ids < 0
+        out_of_range = ~bad_vals & (ids >= s.size)
         rows = bag.rows
         for mask, why in ((bad_vals, "id is not a non-negative integer"),
                           (out_of_range, f"id is beyond the declared size {s.size} (ids must be 0..{s.size - 1})")):
@@ -203,12 +207,21 @@ def _weights(chunk: RawChunk, s: SparseSpec, arr: pa.Array, probs: Problems) -> 
 
 
 def _int_ids(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Integer ids (text allowed) -> (int64 [m], bad [m])."""
+    """Integer ids (text allowed) -> (int64 [m], bad [m]: not an integer). Ids beyond int64 become the
+    int64 maximum (beyond any table), negative ones stay negative."""
+    big = np.iinfo(np.int64).max
     if pa.types.is_integer(values.type):
-        return values.to_numpy(zero_copy_only=False).astype(np.int64), np.zeros(len(values), bool)
+        raw = values.to_numpy(zero_copy_only=False)
+        if raw.dtype == np.uint64:
+            raw = np.minimum(raw, np.uint64(big))
+        return raw.astype(np.int64), np.zeros(len(values), bool)
     nums, bad = to_numbers(values if _is_text(values.type) or is_numeric(values.type) else as_text(values))
     bad |= ~np.isfinite(nums) | (np.nan_to_num(nums) != np.floor(np.nan_to_num(nums)))
-    return np.where(bad, 0, np.nan_to_num(nums)).astype(np.int64), bad
+    nums = np.where(bad, 0, np.nan_to_num(nums))
+    huge = nums >= 2.0**63
+    ids = np.where(huge, 0, np.maximum(nums, -(2.0**62))).astype(np.int64)
+    ids[huge] = big
+    return ids, bad
 
 
 def _filter_bag(b: Bag, keep: np.ndarray) -> Bag:
@@ -246,7 +259,8 @@ def needs_stats(schema: Schema) -> bool:
 
 class StatsCollector:
     """Streaming statistics over the training rows: dense mean/std (Chan's pairwise merge of per-chunk
-    moments, exact in float64) and value counts of every vocab table."""
+    moments in float64: the same on every run, but another ``chunk_rows`` can change them in the last bits)
+    and value counts of every vocab table."""
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
@@ -290,16 +304,33 @@ class StatsCollector:
 
 
 # ------------------------------------------------------------------------------------------------ encode
+def _only(names: dict[str, Any]) -> str:
+    """" (only for a, b)" naming what a statistics file does hold, or nothing when it holds none."""
+    return f" (only for {', '.join(names)})" if names else ""
+
+
 class Encoder:
     """Parsed rows -> the arrays :class:`~recstack.data.format.PreparedWriter` takes."""
 
-    def __init__(self, schema: Schema, state: EncodingState) -> None:
+    def __init__(self, schema: Schema, state: EncodingState, stats_file: str | None = None) -> None:
+        """``stats_file``: where ``state`` was read from (``--stats-from``), named when it lacks something."""
         self.schema, self.state = schema, state
+        source = stats_file or "the statistics"
+        for d in schema.dense:
+            if d.transform == "standardize" and d.name not in state.dense:
+                raise SchemaError(
+                    f"{schema.origin}: dense feature {d.name!r} has transform 'standardize', but {source} holds "
+                    f"no mean and standard deviation for it{_only(state.dense)}; prepare the training data with "
+                    "this schema"
+                )
         self.lookup: dict[str, dict[str, int]] = {}
         for table, feats in schema.tables().items():
             if feats[0].encoding == "vocab":
                 if table not in state.vocab:
-                    raise ValueError(f"{schema.origin}: no vocabulary for table {table!r} in the statistics")
+                    raise SchemaError(
+                        f"{schema.origin}: sparse feature {feats[0].name!r}: {source} holds no vocabulary for "
+                        f"table {table!r}{_only(state.vocab)}; prepare the training data with this schema"
+                    )
                 self.lookup[table] = {v: i + RESERVED_ROWS["vocab"] for i, v in enumerate(state.vocab[table])}
         self.verticals = {v: i for i, v in enumerate(state.verticals)}
 

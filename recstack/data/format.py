@@ -108,6 +108,32 @@ def check_sparse_specs(specs: list[SparseFeatureSpec]) -> None:
             )
 
 
+def _count_difference(kind: str, a: list[str], b: list[str]) -> str:
+    """"3 vs 2 dense features, the first that differs is #3: 'x' vs none"."""
+    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    x, y = (repr(n[i]) if i < len(n) else "none" for n in (a, b))
+    return f"{len(a)} vs {len(b)} {kind} features, the first that differs is #{i + 1}: {x} vs {y}"
+
+
+_LAYOUT_FIELDS = (("name", "name"), ("table", "table_name"), ("table size", "num_embeddings"),
+                  ("multi_hot", "multi_hot"), ("pooling", "pooling"), ("weighted", "weighted"))
+
+
+def layout_difference(a: PreparedDataset, b: PreparedDataset) -> str | None:
+    """The first difference between what a model needs of two prepared sets (dense features, and each
+    sparse feature's name, table, table size and kind), as "... X vs Y" text, or None when they agree."""
+    if a.dense_features != b.dense_features:
+        return _count_difference("dense", a.dense_features, b.dense_features)
+    sa, sb = a.sparse_features, b.sparse_features
+    if len(sa) != len(sb):
+        return _count_difference("sparse", [s.name for s in sa], [s.name for s in sb])
+    for i, (x, y) in enumerate(zip(sa, sb, strict=True)):
+        for what, attr in _LAYOUT_FIELDS:
+            if getattr(x, attr) != getattr(y, attr):
+                return f"sparse feature #{i + 1} ({x.name!r}): {what} {getattr(x, attr)!r} vs {getattr(y, attr)!r}"
+    return None
+
+
 class PreparedWriter:
     """Append rows chunk by chunk; ``close()`` writes meta.json and moves the directory into place.
 

@@ -11,7 +11,10 @@ The rules are deliberately plain, and every choice is written as a comment above
   log1p when they are non-negative and skewed (max above 20x the mean), else standardize;
 * sparse encoding: a vocabulary (``min_freq`` 2 above 10,000 distinct values) up to 2 million distinct
   values, beyond that hashing into the next power of two (at most 2^24 rows);
-* libFM files with a fixed number of pairs per row: one single-valued field per position.
+* libFM files with a fixed number of pairs per row: one single-valued field per position;
+* feature names: the column name, with characters other than ASCII letters, digits, ``_`` and ``-``
+  replaced by ``_`` (prefixed with ``col`` when starting with ``-``, and suffixed ``_2``, ``_3``, ... when two
+  columns would get the same name); a column without a name is left out (a schema cannot refer to it).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import math
 from recstack.data.inspect import ColumnStats, FileReport, suggest_threshold
 from recstack.data.readers import VALUE_SUFFIX
 from recstack.data.schema import (
+    _NAME,
     ColumnsSpec,
     DenseSpec,
     LabelSpec,
@@ -50,6 +54,32 @@ def _encoding(spec: SparseSpec, distinct: int) -> None:
         spec.encoding, spec.min_freq = "vocab", 2 if distinct > 10_000 else 1
 
 
+def _clean_name(column: str) -> str:
+    """A column name with every character a feature name cannot hold (anything but ASCII letters, digits,
+    '_' and '-') replaced by '_', and a 'col' prefix when it is empty or starts with '-'."""
+    name = "".join(ch if (ch.isascii() and ch.isalnum()) or ch in "_-" else "_" for ch in column)
+    return "col" + name if not name or name[0] == "-" else name
+
+
+def feature_names(columns: list[str]) -> dict[str, str]:
+    """A valid, distinct feature name for every column: valid names stay as they are, others are cleaned
+    (:func:`_clean_name`) and get a suffix ``_2``, ``_3``, ... when the result is taken."""
+    keep = {c for c in columns if _NAME.match(c)}
+    out: dict[str, str] = {}
+    used: set[str] = set()
+    for c in columns:
+        if c in keep and c not in used:
+            name = c
+        else:
+            base = name = _clean_name(c)
+            k = 2
+            while name in used or name in keep:
+                name, k = f"{base}_{k}", k + 1
+        out[c] = name
+        used.add(name)
+    return out
+
+
 def infer_schema(report: FileReport, label: str | None = None) -> tuple[Schema, dict[str, str]]:
     """-> (schema, comments by feature name) for the files of ``report``."""
     comments: dict[str, str] = {}
@@ -67,6 +97,7 @@ def infer_schema(report: FileReport, label: str | None = None) -> tuple[Schema, 
     if values and not values <= {0.0, 1.0}:
         lab.threshold = 0.0 if values <= {-1.0, 1.0} else suggest_threshold(lab_col)
     cols = ColumnsSpec()
+    names = feature_names([c.name for c in report.columns])
     dense: list[DenseSpec] = []
     sparse: list[SparseSpec] = []
     for c in report.columns:
@@ -75,6 +106,8 @@ def infer_schema(report: FileReport, label: str | None = None) -> tuple[Schema, 
             continue
         if c.values == 0:
             comments[name] = f"{_summary(c)}: always missing, left out"
+            continue
+        if not name:  # a schema's empty ``column`` means "the feature's name": this column cannot be named
             continue
         distinct = c.distinct.value()
         if not cols.timestamp and (c.kind == "time" or (low in TIME_NAMES and c.kind in ("int", "text"))):
@@ -86,7 +119,7 @@ def infer_schema(report: FileReport, label: str | None = None) -> tuple[Schema, 
         if not cols.vertical and low == "vertical":
             cols.vertical = name
             continue
-        feature = "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in name)
+        feature = names[name]
         numeric = c.kind == "float" or (c.kind == "int" and not (low.endswith("id") or distinct <= 100))
         if numeric and report.format != "libfm":  # libFM columns are feature indices, never amounts
             mean = c.total / c.values

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from recstack.data.columns import as_text, hash_strings, to_bag
 from recstack.data.readers import BadRowLog, LibfmSource, expand_inputs, open_source
-from recstack.data.readers.base import open_binary
+from recstack.data.readers.base import open_binary, report_in_order
 from recstack.data.schema import LabelSpec, SourceSpec, detect_format
 
 EXACT_LIMIT = 200_000
@@ -197,6 +197,7 @@ def inspect_file(
     for i, f in enumerate(files):
         source = open_source(f, spec, chunk_rows, log)
         for chunk in source.chunks(source.columns, i):
+            report_in_order(log, chunk.rejected, [])
             table = chunk.table.slice(0, max_rows - rows) if max_rows else chunk.table
             for name in table.column_names:
                 stats.setdefault(name, ColumnStats(name)).update(table.column(name))

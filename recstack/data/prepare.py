@@ -27,7 +27,7 @@ from tqdm import tqdm
 from recstack.data.columns import uniform_hash
 from recstack.data.encode import Encoder, EncodingState, ParsedChunk, StatsCollector, needs_stats, parse_chunk
 from recstack.data.format import PreparedWriter
-from recstack.data.readers import BadRow, BadRowLog, expand_inputs, open_source
+from recstack.data.readers import BadRow, BadRowLog, DataError, expand_inputs, open_source
 from recstack.data.schema import Schema, SchemaError, split_time
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -140,8 +140,10 @@ def prepare_dataset(
     groups = [(train_files, 0 if by_file else None), (valid_files, 1), (test_files, 2)]
     inputs_ = _Inputs(schema, [g for g in groups if g[0]], chunk_rows)
 
+    stats_file = None
     if stats_from is not None:
-        state = load_state(Path(stats_from))
+        stats_file = _stats_file(Path(stats_from))
+        state = load_state(stats_file)
     elif needs_stats(schema):
         collector = StatsCollector(schema)
         for p, fixed in inputs_.chunks(BadRowLog(skip=skip_bad_rows), True, progress, "statistics"):
@@ -149,21 +151,23 @@ def prepare_dataset(
         state = collector.state()
     else:
         state = EncodingState()
-    encoder = Encoder(schema, state)
+    encoder = Encoder(schema, state, str(stats_file) if stats_file else None)
 
     specs = encoder.feature_specs()
     c = schema.columns
     extras = {k: dt for k, dt, col in (("example_id", "int64", c.example_id), ("timestamp", "int64", c.timestamp),
                                        ("vertical", "int32", c.vertical)) if col}
     dirs = {s: out if s == "all" else out / s for s in splits}
-    if len(splits) > 1:
-        out.mkdir(parents=True, exist_ok=True)
-    writers = {s: PreparedWriter(d, [x.name for x in schema.dense], specs, extras, overwrite=True)
-               for s, d in dirs.items()}
+    created = not out.exists()  # removed again if this run fails
+    writers: dict[str, PreparedWriter] = {}
     log = BadRowLog(skip=skip_bad_rows)
     rows = dict.fromkeys(splits, 0)
     index = {name: i for i, name in enumerate(SPLIT_NAMES)}
     try:
+        if len(splits) > 1:
+            out.mkdir(parents=True, exist_ok=True)
+        for s, d in dirs.items():
+            writers[s] = PreparedWriter(d, [x.name for x in schema.dense], specs, extras, overwrite=True)
         for p, fixed in inputs_.chunks(log, False, progress, "prepare"):
             arrays = encoder.encode(p)
             if splits == ["all"]:
@@ -176,6 +180,10 @@ def prepare_dataset(
                 if m.any():
                     writers[s].write(**_select(arrays, m))
                     rows[s] += int(m.sum())
+        if not sum(rows.values()):
+            names = ", ".join(str(f) for g, _ in groups for f in g)
+            why = f"no valid rows ({log.count} bad rows skipped)" if log.count else "no rows in the inputs"
+            raise DataError(names, None, None, why)
         tables = {sp.table_name: sp.num_embeddings for sp in specs}
         for s, w in writers.items():
             w.info = {
@@ -192,12 +200,34 @@ def prepare_dataset(
             for stale in set(SPLIT_NAMES) - set(splits):
                 if (out / stale / "meta.json").is_file():
                     shutil.rmtree(out / stale)
+            _remove_unsplit_output(out)
     except BaseException:
         for w in writers.values():
             w.abort()
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
         raise
     return PrepareReport(dirs, rows, log.count, log.rows, time.perf_counter() - t0,
                          {sp.table_name: sp.num_embeddings for sp in specs})
+
+
+def _remove_unsplit_output(out: Path) -> None:
+    """Remove the files of an earlier output without a split from ``out`` (now the parent of the split
+    outputs): its meta.json, the arrays it lists, stats.json and Criteo's vocab.npz. Anything else in
+    ``out`` stays."""
+    meta = out / "meta.json"
+    if not meta.is_file():
+        return
+    try:
+        arrays = json.loads(meta.read_text()).get("arrays", {})
+        files = [str(a["file"]) for a in arrays.values()]
+    except (ValueError, AttributeError, KeyError, TypeError):  # not a prepared directory's meta.json
+        return
+    for name in [*files, STATS_FILE, "vocab.npz"]:
+        f = out / name
+        if f.parent == out and f.is_file():
+            f.unlink()
+    meta.unlink()
 
 
 def _select(arrays: dict, m: np.ndarray) -> dict:
@@ -214,9 +244,13 @@ def _select(arrays: dict, m: np.ndarray) -> dict:
     return out
 
 
+def _stats_file(path: Path) -> Path:
+    return path / STATS_FILE if path.is_dir() else path
+
+
 def load_state(path: Path) -> EncodingState:
     """Statistics of an earlier prepare (its training output directory, or the stats.json file)."""
-    f = path / STATS_FILE if path.is_dir() else path
+    f = _stats_file(path)
     if not f.is_file():
         raise FileNotFoundError(f"{f}: no statistics file (prepare the training split first)")
     return EncodingState.from_dict(json.loads(f.read_text()))

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from recstack.data.columns import text_to_seconds
 
 FORMATS = ("parquet", "csv", "tsv", "libfm")
 TRANSFORMS = ("none", "log1p", "standardize")
@@ -316,18 +319,18 @@ def _validate_split(sch: Schema, bad: Any) -> None:
 
 
 def split_time(value: int | float | str | None) -> int | None:
-    """A time cut -> seconds since the epoch (UTC); numbers are taken as seconds already."""
+    """A time cut -> whole seconds since the epoch (UTC), rounded down like the rows' timestamps; numbers
+    are taken as seconds already, text as seconds or an ISO 8601 date/time (UTC without a zone)."""
     if value is None:
         return None
     if isinstance(value, int | float):
-        return int(value)
+        if not math.isfinite(value):
+            raise SchemaError(f"split time {value!r}: not a finite number of seconds")
+        return math.floor(value)
     try:
-        t = dt.datetime.fromisoformat(value)
-    except ValueError as e:
+        return text_to_seconds(value)
+    except (ValueError, OverflowError) as e:
         raise SchemaError(f"split time {value!r}: not a number of seconds or an ISO date/time") from e
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=dt.UTC)
-    return int(t.timestamp())
 
 
 def detect_format(path: str | Path, spec: SourceSpec | None = None) -> str:

@@ -76,7 +76,10 @@ class RawChunk:
     files) or row numbers (Parquet) inside ``file``; ``unit`` says which. ``file_index``: the input's
     position in the list of inputs; ``first``: the position of the file's first record (2 after a CSV
     header), so ``positions - first`` numbers records from 0 the same way in every format (the fraction
-    split hashes it)."""
+    split hashes it). ``rejected``: (position, bad row) of the records the reader itself could not take
+    (a wrong field count, a malformed pair) among those of this chunk, in position order; they are reported
+    together with the bad values of the chunk's rows (:func:`report_in_order`), so that bad rows are always
+    reported in file order."""
 
     table: pa.Table
     file: str
@@ -84,6 +87,7 @@ class RawChunk:
     unit: str
     file_index: int = 0
     first: int = 1
+    rejected: list[tuple[int, BadRow]] = field(default_factory=list)
 
     @property
     def ordinals(self) -> np.ndarray:
@@ -97,6 +101,13 @@ class RawChunk:
         """Location of row i of this chunk, for messages."""
         p = int(self.positions[i])
         return f"{self.file}:{p}" if self.unit == "line" else f"{self.file} row {p}"
+
+
+def report_in_order(log: BadRowLog, rejected: list[tuple[int, BadRow]], found: list[tuple[int, BadRow]]) -> None:
+    """Log two position-ordered lists of bad rows merged in position order (raises on the first unless
+    skipping)."""
+    for _, bad in sorted([*rejected, *found], key=lambda pb: pb[0]):  # stable: a tie keeps the reader's first
+        log.add(bad)
 
 
 class Source:

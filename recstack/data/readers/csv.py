@@ -4,10 +4,13 @@ Every column the schema uses is read as text and converted by the encoder, so th
 is reported with its file, line and column instead of failing the whole block. The first line is the header
 unless ``[source] header = false`` (then ``columns`` names the fields, or they are ``c0, c1, ...``). Empty
 fields and the usual null markers (``NA``, ``NULL``, ``nan``, ...) are missing values. CSV fields may be
-quoted; TSV fields are taken literally. Line numbers in messages count the non-empty lines of the file.
+quoted; TSV fields are taken literally. A UTF-8 byte order mark (as Excel writes) is ignored. Line numbers in
+messages count the records of the file, the header included: they are the file's line numbers unless blank
+lines (not counted) or quoted line breaks (a record spanning lines counts once) come before. A file with a
+header and no rows is an error.
 
 A row with the wrong number of fields is a bad row: an error, or skipped and reported with
-``skip_bad_rows``.
+``skip_bad_rows``; it is reported in line order with the bad values the encoder finds.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pcsv
 
-from recstack.data.readers.base import BadRow, BadRowLog, DataError, RawChunk, Source, open_binary
+from recstack.data.readers.base import (
+    BadRow,
+    BadRowLog,
+    DataError,
+    RawChunk,
+    Source,
+    open_binary,
+    report_in_order,
+)
 from recstack.data.schema import SourceSpec
 
 BLOCK_BYTES = 1 << 20  # pyarrow parses this many bytes at a time: bounds memory with the chunk size
@@ -39,9 +50,13 @@ class CsvSource(Source):
         self.header = spec.header
         with open_binary(self.path) as f:
             first = f.readline()
-        if not first.strip():
+            rows = not self.header or any(line.strip() for line in f)  # stops at the first row
+        if not first.removeprefix(b"\xef\xbb\xbf").strip():
             raise DataError(str(self.path), None, None, "empty file (no header or rows)")
-        line = first.decode("utf-8", "replace").rstrip("\r\n")
+        if not rows:
+            raise DataError(str(self.path), None, None, "empty file (a header but no rows)")
+        # utf-8-sig drops a byte order mark (Excel writes one); pyarrow drops it from the data as well.
+        line = first.decode("utf-8-sig", "replace").rstrip("\r\n")
         fields = next(csv.reader(io.StringIO(line), delimiter=self.delimiter,
                                  quoting=csv.QUOTE_MINIMAL if self.quoted else csv.QUOTE_NONE))
         if self.header:
@@ -70,13 +85,13 @@ class CsvSource(Source):
     def chunks(self, columns: list[str], file_index: int = 0) -> Iterator[RawChunk]:
         self.require(columns)
         invalid: list[int] = []  # line numbers of rows pyarrow rejected (wrong field count), ascending
-        pending: list[BadRow] = []
+        pending: list[tuple[int, BadRow]] = []  # those rows, until the chunk they fall in is yielded
 
         def on_invalid(row: pcsv.InvalidRow) -> str:
             line = int(row.number) if row.number is not None else -1
             invalid.append(line)
-            pending.append(BadRow(f"{self.path}:{line}", None, row.text,
-                                  f"{row.actual_columns} fields, expected {row.expected_columns}"))
+            pending.append((line, BadRow(f"{self.path}:{line}", None, row.text,
+                                         f"{row.actual_columns} fields, expected {row.expected_columns}")))
             return "skip"
 
         raw, stream = self._stream()
@@ -107,30 +122,31 @@ class CsvSource(Source):
                     chunk, buffered, have = _take(buffered, self.chunk_rows)
                     yield self._chunk(chunk, done, first_line, invalid, pending, file_index)
                     done += chunk.num_rows
-            self._flush_bad(pending, None)
             if have:
                 chunk, buffered, have = _take(buffered, have)
                 yield self._chunk(chunk, done, first_line, invalid, pending, file_index)
+            report_in_order(self.log, pending, [])  # rejected rows after the last good one
+            pending.clear()
         except pa.ArrowInvalid as e:
             raise DataError(str(self.path), None, None, f"cannot parse ({e})") from e
         finally:
             raw.close()
         self.progress = self.size
 
-    def _chunk(self, table: pa.Table, done: int, first_line: int, invalid: list[int], pending: list[BadRow],
-               file_index: int) -> RawChunk:
+    def _chunk(self, table: pa.Table, done: int, first_line: int, invalid: list[int],
+               pending: list[tuple[int, BadRow]], file_index: int) -> RawChunk:
         # Row k (0-based, counting only accepted rows) sits on line first_line + k, pushed down by every
         # rejected line at or above it: shift by the number of j with invalid[j] - j <= that base line.
         base = first_line + done + np.arange(table.num_rows, dtype=np.int64)
         inv = np.asarray(invalid, dtype=np.int64)
         lines = base + np.searchsorted(inv - np.arange(len(inv)), base, side="right")
-        self._flush_bad(pending, int(lines[-1]) if len(lines) else None)
-        return RawChunk(table, str(self.path), lines, "line", file_index, first_line)
-
-    def _flush_bad(self, pending: list[BadRow], up_to_line: int | None) -> None:
-        """Report rejected rows in line order (those beyond ``up_to_line`` wait for their chunk)."""
-        while pending and (up_to_line is None or int(pending[0].where.rsplit(":", 1)[1]) <= up_to_line):
-            self.log.add(pending.pop(0))
+        # The rejected rows up to this chunk's last line go with it, to be reported in line order with its
+        # bad values (pyarrow may have parsed further ahead: later ones wait for their chunk).
+        last = int(lines[-1])
+        k = next((j for j, (line, _) in enumerate(pending) if line > last), len(pending))
+        rejected = pending[:k]
+        del pending[:k]
+        return RawChunk(table, str(self.path), lines, "line", file_index, first_line, rejected)
 
 
 def _take(batches: list[pa.RecordBatch], n: int) -> tuple[pa.Table, list[pa.RecordBatch], int]:

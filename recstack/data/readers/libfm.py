@@ -1,6 +1,7 @@
 """libFM / libSVM (``label idx:val idx:val ...``) and field-aware libFFM (``label field:idx:val ...``) input.
 
-Tokens are separated by any whitespace; blank lines are skipped. How indices become features
+Tokens are separated by any whitespace; blank lines are skipped (line numbers in messages are the file's
+lines, blank ones counted). An index or field number beyond int64 is a bad row. How indices become features
 (``[source]`` of the schema):
 
 * ``fields = ["user", "item", ...]`` (libFM): the i-th pair of every row belongs to the i-th field, so every
@@ -26,11 +27,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recstack.data.readers.base import BadRow, BadRowLog, DataError, RawChunk, Source, open_binary
+from recstack.data.readers.base import BadRow, BadRowLog, DataError, RawChunk, Source, open_binary, report_in_order
 from recstack.data.schema import SourceSpec
 
 BLOCK_BYTES = 4 << 20
 VALUE_SUFFIX = "#value"
+INDEX_MAX = 2**63 - 1  # indices (and field numbers) are stored as int64
 
 
 class _LineError(Exception):
@@ -126,6 +128,7 @@ class LibfmSource(Source):
 
     def _chunk(self, buf: bytes, first_line: int, file_index: int) -> RawChunk | None:
         """buf: whole lines, each ending in a newline; first_line: the 1-based number of its first line."""
+        rejected: list[tuple[int, BadRow]] = []  # the lines this reader drops, reported with the chunk
         try:
             labels, counts, fld, idx, val, line_nos = self._fast(buf, first_line)
         except _LineError:
@@ -133,9 +136,12 @@ class LibfmSource(Source):
             toks = [ln.split() for ln in lines]
             where = np.flatnonzero(np.fromiter((len(t) > 0 for t in toks), bool, len(toks)))
             labels, counts, fld, idx, val, line_nos = self._slow(
-                [toks[i] for i in where], first_line + where.astype(np.int64))
-        labels, counts, fld, idx, val, line_nos = self._assign_fields(labels, counts, fld, idx, val, line_nos)
+                [toks[i] for i in where], first_line + where.astype(np.int64), rejected)
+        labels, counts, fld, idx, val, line_nos = self._assign_fields(
+            labels, counts, fld, idx, val, line_nos, rejected)
+        rejected.sort(key=lambda lb: lb[0])
         if not len(labels):
+            report_in_order(self.log, rejected, [])
             return None
         cols: dict[str, pa.Array] = {"label": pa.array(labels, pa.float64())}
         n = len(labels)
@@ -153,7 +159,7 @@ class LibfmSource(Source):
                 off = pa.array(offsets)
                 cols[name] = pa.LargeListArray.from_arrays(off, pa.array(idx[m]))
                 cols[name + VALUE_SUFFIX] = pa.LargeListArray.from_arrays(off, pa.array(val[m]))
-        return RawChunk(pa.table(cols), str(self.path), line_nos, "line", file_index)
+        return RawChunk(pa.table(cols), str(self.path), line_nos, "line", file_index, rejected=rejected)
 
     def _fast(self, buf: bytes, first_line: int) -> tuple[np.ndarray, ...]:
         """Every line of buf at once, on the raw bytes; raises _LineError on anything unexpected (the
@@ -188,15 +194,16 @@ class LibfmSource(Source):
         counts = np.diff(np.append(np.flatnonzero(first), len(first))) - 1
         return labels, counts, fld, idx, val, first_line + lines.astype(np.int64)
 
-    def _slow(self, toks: list[list[bytes]], line_nos: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Line by line: bad lines are reported (and dropped when skipping)."""
+    def _slow(self, toks: list[list[bytes]], line_nos: np.ndarray, rejected: list[tuple[int, BadRow]]
+              ) -> tuple[np.ndarray, ...]:
+        """Line by line: bad lines are dropped and added to ``rejected``."""
         labels, counts, fld, idx, val, kept = [], [], [], [], [], []
         for t, line in zip(toks, line_nos.tolist(), strict=True):
             try:
                 lab, f, i, v = self._parse_line(t)
             except _LineError as e:
                 column, value, reason = e.args
-                self.log.add(BadRow(f"{self.path}:{line}", column, value, reason))
+                rejected.append((line, BadRow(f"{self.path}:{line}", column, value, reason)))
                 continue
             labels.append(lab)
             counts.append(len(i))
@@ -229,6 +236,8 @@ class LibfmSource(Source):
                                              "number") from None
             if min(nums) < 0 or not np.isfinite(value):
                 raise _LineError(None, text, f"token {pos}: negative index or non-finite value")
+            if max(nums) > INDEX_MAX:
+                raise _LineError(None, text, f"token {pos}: index larger than {INDEX_MAX} (2**63 - 1)")
             f.append(nums[0] if self.parts == 3 else 0)
             i.append(nums[-1])
             v.append(value)
@@ -236,9 +245,10 @@ class LibfmSource(Source):
 
     def _assign_fields(
         self, labels: np.ndarray, counts: np.ndarray, fld: np.ndarray, idx: np.ndarray, val: np.ndarray,
-        line_nos: np.ndarray,
+        line_nos: np.ndarray, rejected: list[tuple[int, BadRow]],
     ) -> tuple[np.ndarray, ...]:
-        """Map every pair to its field (by position, range or ffm field number); drop and report bad rows."""
+        """Map every pair to its field (by position, range or ffm field number); bad rows are dropped and
+        added to ``rejected``."""
         n = len(labels)
         row = np.repeat(np.arange(n), counts)
         bad_rows = np.zeros(n, bool)
@@ -247,11 +257,11 @@ class LibfmSource(Source):
         if self.mode == "position":
             bad_rows = counts != len(self.fields)
             for r in np.flatnonzero(bad_rows).tolist():
-                self.log.add(BadRow(
+                rejected.append((int(line_nos[r]), BadRow(
                     f"{self.path}:{int(line_nos[r])}", None, None,
                     f"{int(counts[r])} idx:val pairs, expected {len(self.fields)} (one per field: "
                     f"{', '.join(self.fields)})",
-                ))
+                )))
         elif self.mode == "ranges":
             assert self.ranges is not None
             fld = np.searchsorted(self.ranges[:, 0], idx, side="right") - 1
@@ -267,7 +277,8 @@ class LibfmSource(Source):
             r = int(row[t])
             if not bad_rows[r]:
                 bad_rows[r] = True
-                self.log.add(BadRow(f"{self.path}:{int(line_nos[r])}", None, int(shown[t]), reason))
+                rejected.append((int(line_nos[r]), BadRow(f"{self.path}:{int(line_nos[r])}", None, int(shown[t]),
+                                                          reason)))
         if bad_rows.any():
             keep_tok, keep = ~bad_rows[row], ~bad_rows
             return labels[keep], counts[keep], fld[keep_tok], idx[keep_tok], val[keep_tok], line_nos[keep]
