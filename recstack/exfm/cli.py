@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> dict:
     results = ExperimentRunner(cfg, out).run()
     print((out / "report.md").read_text())
     print(f"results: {out / 'results.json'}; charts: {out / 'ne_gain.png'}, {out / 'ne_by_window.png'} "
-          f"({results['tasks_run']} tasks run in {results['seconds']:.0f} s)")
+          f"({results['tasks_run']} tasks run in {results['seconds']:.0f} s, {results['tasks_reused']} reused)")
     return results
 
 

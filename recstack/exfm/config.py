@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recstack.config import Config, ConfigError, ModelConfig, OptimConfig, TrainConfig, fill, load_into
+from recstack.config import synth_config as checked_synth_config
 from recstack.config import validate as validate_model
+
+if TYPE_CHECKING:
+    from recstack.data.synth import SynthConfig
+    from recstack.exfm.movielens import MovieLensConfig
 
 ARMS = ("alone", "distill", "distill_sa", "aux", "aux_sa")
 ADAPTER_ARMS = ("distill_sa", "aux_sa")
@@ -129,6 +134,24 @@ class ExfmConfig:
         return asdict(self)
 
 
+def synth_config(values: dict[str, Any], seed: int | None = None) -> SynthConfig:
+    """``data.synth`` as a checked ``SynthConfig`` (with ``seed`` in place of its own when given); unknown keys,
+    wrong types and bad values are ``ConfigError``s naming ``data.synth`` and the key."""
+    return checked_synth_config({**values, "seed": seed} if seed is not None else values, "data.synth")
+
+
+def movielens_config(values: dict[str, Any]) -> MovieLensConfig:
+    """``data.movielens`` as a checked ``MovieLensConfig``; errors are ``ConfigError``s naming the key."""
+    from recstack.exfm.movielens import MovieLensConfig
+
+    probe = MovieLensConfig()
+    fill(probe, values, "data.movielens")
+    try:
+        return MovieLensConfig(**{k: getattr(probe, k) for k in values})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"data.{e}" if str(e).startswith("movielens.") else f"data.movielens: {e}") from e
+
+
 def validate(cfg: ExfmConfig) -> None:
     """Cross-field checks; every message names the key."""
     s, e, d = cfg.stream, cfg.experiment, cfg.distill
@@ -136,10 +159,19 @@ def validate(cfg: ExfmConfig) -> None:
         raise ConfigError(f"data.source: {cfg.data.source!r} is not one of synth, movielens")
     if cfg.data.source == "movielens" and not cfg.data.movielens.get("path"):
         raise ConfigError("data.movielens.path: the MovieLens directory is required (scripts/fetch_movielens.py)")
+    if cfg.data.source == "synth":
+        synth_config(cfg.data.synth)
+    else:
+        movielens_config(cfg.data.movielens)
     if s.window <= 0 and s.window_rows <= 0:
         raise ConfigError("stream.window: must be positive (or set stream.window_rows)")
     if s.publish_every < 1:
         raise ConfigError(f"stream.publish_every: must be >= 1, got {s.publish_every}")
+    if 0 < s.max_windows <= s.vm_start:
+        raise ConfigError(
+            f"stream.max_windows: {s.max_windows} windows leave none from stream.vm_start={s.vm_start} on, where "
+            f"the VMs read FM labels and are evaluated; need max_windows > vm_start (or 0: every window)"
+        )
     bad = [a for a in e.arms if a not in ARMS]
     if bad or not e.arms:
         raise ConfigError(f"experiment.arms: {bad or e.arms} not in {', '.join(ARMS)}")

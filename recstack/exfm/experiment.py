@@ -8,10 +8,12 @@ Per seed the runner prepares the stream (a synthetic log, or MovieLens once for 
   task per (arm, staleness), each starting from that warm-up and reading its FM labels from the store of its
   staleness as the DAS commits them.
 
-Tasks run in ``experiment.workers`` processes; a task whose ``result.json`` exists is not run again and an
-interrupted one resumes from its last window checkpoint, so rerunning the command after a crash finishes
-the experiment. The report (``results.json``, ``report.md``, ``ne_gain.png``, ``ne_by_window.png``) is
-written to the output directory at the end.
+Every task's directory (the FM's with its snapshots) and every DAS store is named with a hash of the config
+parts its result depends on (``fm_key``, ``store_key``, ``warmup_key``, ``arm_key``). A task whose
+``result.json`` exists under that name is reused and an interrupted one resumes from its last window
+checkpoint, so rerunning the command after a crash finishes the experiment; a changed config runs what it
+changes in new directories and never reports a result made under another. The report (``results.json``,
+``report.md``, ``ne_gain.png``, ``ne_by_window.png``) is written to the output directory at the end.
 """
 
 from __future__ import annotations
@@ -29,34 +31,32 @@ from typing import Any
 
 import torch
 
+from recstack.config import ConfigError
 from recstack.data.format import PreparedDataset
-from recstack.exfm.config import ExfmConfig, exfm_config_from_dict
+from recstack.exfm.config import ExfmConfig, exfm_config_from_dict, movielens_config, synth_config
 from recstack.exfm.das import DasJob
 from recstack.exfm.vm_stream import VMJob
 from recstack.exfm.windows import VerticalIndex, make_windows
 
 
-def _tag(values: dict[str, Any]) -> str:
-    """A short stable name for a data config, so a changed config never reuses data made by another one."""
+def _tag(values: Any) -> str:
+    """A short stable name for a config (JSON values), so a changed config never reuses what another made."""
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def prepare_stream(cfg: ExfmConfig, out: Path, seed: int) -> Path:
     """The prepared data set of ``seed`` (generated or converted on first use, then reused)."""
     if cfg.data.source == "movielens":
-        from recstack.exfm.movielens import MovieLensConfig, prepare_movielens
+        from recstack.exfm.movielens import prepare_movielens
 
-        ml = MovieLensConfig(**cfg.data.movielens)
+        ml = movielens_config(cfg.data.movielens)
         path = out / "data" / f"movielens_{_tag(asdict(ml))}"
         if not (path / "meta.json").is_file():
             prepare_movielens(ml, path, overwrite=True)
         return path
-    from recstack.data.synth import SynthConfig, generate
+    from recstack.data.synth import generate
 
-    values = dict(cfg.data.synth)
-    if cfg.experiment.vary_data_seed:
-        values["seed"] = seed
-    synth = SynthConfig(**values)
+    synth = synth_config(cfg.data.synth, seed if cfg.experiment.vary_data_seed else None)
     path = out / "data" / f"synth_seed{synth.seed}_{_tag(synth.to_dict())}"
     if not (path / "meta.json").is_file():
         generate(synth, path, progress=False, overwrite=True)
@@ -71,6 +71,40 @@ class Task:
     result: Path
     deps: list[str] = field(default_factory=list)
     seed: int = 0
+
+
+# The stream fields a VM's warm-up depends on (``publish_every`` only matters once FM labels flow).
+_WARMUP_STREAM = ("window", "window_rows", "max_windows", "vm_start")
+
+
+def fm_key(cfg: ExfmConfig, data: Path, seed: int) -> str:
+    """The FM stream of ``seed`` (checkpoints, snapshots, result): the data (its directory name is a hash of
+    the data config), ``[fm]``, ``[stream]`` (windows, publishing, evaluation from ``vm_start``) and the seed."""
+    return _tag({"data": data.name, "fm": asdict(cfg.fm), "stream": asdict(cfg.stream), "seed": seed})
+
+
+def store_key(cfg: ExfmConfig, fm: str, staleness: int, verticals: list[int]) -> str:
+    """A DAS store: the FM whose snapshots label it (``fm_key``, which holds the data and the stream), the
+    staleness, the verticals it labels and its part size (a restarted DAS checks its recorded parts)."""
+    return _tag({"fm": fm, "staleness": staleness, "verticals": verticals,
+                 "part_rows": cfg.experiment.das_part_rows})
+
+
+def warmup_key(cfg: ExfmConfig, data: Path, seed: int, vertical: int) -> str:
+    """A VM's warm-up (alone on windows [0, vm_start)): the data, ``[vm]``, the windows, seed and vertical."""
+    stream = asdict(cfg.stream)
+    return _tag({"data": data.name, "vm": asdict(cfg.vm), "stream": {k: stream[k] for k in _WARMUP_STREAM},
+                 "seed": seed, "vertical": vertical})
+
+
+def arm_key(cfg: ExfmConfig, job: VMJob, warm: str, store: str) -> str:
+    """A VM arm: its warm-up (``warmup_key``), ``[stream]``, the arm and its staleness, and for arms with FM
+    labels the DAS store (``store_key``), ``[distill]`` and what happens to unlabelled examples."""
+    labels = job.staleness >= 0
+    return _tag({"warmup": warm, "stream": asdict(cfg.stream), "arm": job.arm, "staleness": job.staleness,
+                 "store": store if labels else None, "distill": asdict(cfg.distill) if labels else None,
+                 "on_missing": job.on_missing if labels else None,
+                 "distill_head_init": job.distill_head_init if labels else None})
 
 
 def _init_worker(threads: int) -> None:
@@ -103,21 +137,36 @@ class ExperimentRunner:
         self.das: dict[int, subprocess.Popen] = {}
         self.data: dict[int, Path] = {}  # seed -> prepared stream
         self.verticals: dict[int, list[int]] = {}  # seed -> verticals with a VM
+        self.fm_dirs: dict[int, Path] = {}  # seed -> the FM's directory (checkpoints, snapshots, result)
+        self.stores: dict[int, dict[int, Path]] = {}  # seed -> staleness -> DAS store
 
     def plan(self) -> list[Task]:
-        """Every task of the experiment, FM tasks first (the DAS waits on them), then warm-ups, then arms."""
+        """Every task of the experiment, FM tasks first (the DAS waits on them), then warm-ups, then arms.
+        Directories are named by the keys above, so only a task made under the same config is reused."""
         cfg, e = self.cfg, self.cfg.experiment
         fm_tasks, warm_tasks, arm_tasks = [], [], []
         for seed in e.seeds:
             data = prepare_stream(cfg, self.out, seed)
             self.data[seed] = data
-            all_v = VerticalIndex(PreparedDataset(data)).verticals
+            ds = PreparedDataset(data)
+            num_windows = len(make_windows(ds, cfg.stream))
+            if num_windows <= cfg.stream.vm_start:
+                raise ConfigError(
+                    f"stream.vm_start: the data of seed {seed} ({data}) has {num_windows} windows under [stream], "
+                    f"none from vm_start={cfg.stream.vm_start} on for the VMs to read FM labels and be evaluated "
+                    "on; use more data or longer windows, or a smaller stream.vm_start"
+                )
+            all_v = VerticalIndex(ds).verticals
             verts = [v for v in all_v if not e.verticals or v in e.verticals]
             if len(verts) == 0:
                 raise ValueError(f"experiment.verticals: none of {e.verticals} is in the data ({all_v})")
             self.verticals[seed] = verts
             sd = self.out / f"seed{seed}"
-            fm_dir = sd / "fm"
+            fm = fm_key(cfg, data, seed)
+            fm_dir = sd / f"fm-{fm}"
+            self.fm_dirs[seed] = fm_dir
+            stores = {d: store_key(cfg, fm, d, verts) for d in e.staleness}
+            self.stores[seed] = {d: sd / "das" / f"d{d}-{key}" for d, key in stores.items()}
             fm_tasks.append(Task(f"fm/s{seed}", "fm", {"config": cfg.to_dict(), "data": str(data),
                                                        "out_dir": str(fm_dir), "seed": seed},
                                  fm_dir / "result.json", seed=seed))
@@ -126,27 +175,29 @@ class ExperimentRunner:
                         threads=e.threads)
             for v in verts:
                 vd = sd / "vm" / f"v{v}"
-                warm = VMJob.from_dict({**base, "out_dir": str(vd / "warmup"), "phase": "warmup", "vertical": v})
-                warm_tasks.append(Task(f"warm/s{seed}/v{v}", "vm", warm.to_dict(), vd / "warmup" / "result.json",
+                warm_key = warmup_key(cfg, data, seed, v)
+                warm_dir = vd / f"warmup-{warm_key}"
+                warm = VMJob.from_dict({**base, "out_dir": str(warm_dir), "phase": "warmup", "vertical": v})
+                warm_tasks.append(Task(f"warm/s{seed}/v{v}", "vm", warm.to_dict(), warm_dir / "result.json",
                                        seed=seed))
                 for arm in e.arms:
                     for d in ([-1] if arm == "alone" else e.staleness):
                         name = "alone" if arm == "alone" else f"{arm}_d{d}"
-                        store = str(sd / "das" / f"d{d}") if d >= 0 else ""
-                        job = VMJob.from_dict({**base, "out_dir": str(vd / name), "phase": "arm", "vertical": v,
-                                               "arm": arm, "staleness": d, "store": store,
-                                               "warm_dir": str(vd / "warmup")})
+                        store = str(self.stores[seed][d]) if d >= 0 else ""
+                        job = VMJob.from_dict({**base, "phase": "arm", "vertical": v, "arm": arm, "staleness": d,
+                                               "store": store, "warm_dir": str(warm_dir)})
+                        job.out_dir = str(vd / f"{name}-{arm_key(cfg, job, warm_key, stores.get(d, ''))}")
                         deps = [f"warm/s{seed}/v{v}"] + ([f"fm/s{seed}"] if d >= 0 else [])
-                        arm_tasks.append(Task(f"{name}/s{seed}/v{v}", "vm", job.to_dict(), vd / name / "result.json",
-                                              deps, seed))
+                        arm_tasks.append(Task(f"{name}/s{seed}/v{v}", "vm", job.to_dict(),
+                                              Path(job.out_dir) / "result.json", deps, seed))
         return fm_tasks + warm_tasks + arm_tasks
 
     def _start_das(self, seed: int) -> None:
         if seed in self.das:
             return
         sd = self.out / f"seed{seed}"
-        feeds = [[str(sd / "das" / f"d{d}"), d] for d in self.cfg.experiment.staleness]
-        job = DasJob(data=str(self.data[seed]), snapshots=str(sd / "fm" / "snapshots"), feeds=feeds,
+        feeds = [[str(path), d] for d, path in self.stores[seed].items()]
+        job = DasJob(data=str(self.data[seed]), snapshots=str(self.fm_dirs[seed] / "snapshots"), feeds=feeds,
                      stream=self.cfg.stream, first_window=self.cfg.stream.vm_start, verticals=self.verticals[seed],
                      part_rows=self.cfg.experiment.das_part_rows, wait_s=self.cfg.experiment.das_wait_s,
                      threads=self.cfg.experiment.threads)
@@ -169,13 +220,14 @@ class ExperimentRunner:
         (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
         tasks = self.plan()
         done = {t.key for t in tasks if t.result.is_file()}
-        done_before = set(done)
+        reused = len(done)
         pending = [t for t in tasks if t.key not in done]
         for seed in sorted({t.seed for t in pending if t.kind == "vm" and t.payload["staleness"] >= 0}):
             self._start_das(seed)  # on a rerun it skips the windows it has committed
         workers = self.cfg.experiment.workers
         t0 = time.perf_counter()
-        self.log(f"exfm: {len(tasks)} tasks ({len(done)} already done), {workers} workers -> {self.out}")
+        self.log(f"exfm: {len(tasks)} tasks ({reused} reused from an earlier run of the same config, "
+                 f"{len(pending)} to run), {workers} workers -> {self.out}")
         ctx = mp.get_context("spawn")  # no fork after torch has started its thread pools
         try:
             pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
@@ -210,11 +262,11 @@ class ExperimentRunner:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        return self.collect(tasks, time.perf_counter() - t0, len(tasks) - len(done_before))
+        return self.collect(tasks, time.perf_counter() - t0, len(tasks) - reused)
 
     def collect(self, tasks: list[Task], seconds: float, tasks_run: int) -> dict[str, Any]:
         """Gather every task's result into one document and write the report. ``seconds``: wall time of
-        this invocation, which ran ``tasks_run`` of the tasks (the others were done by an earlier one)."""
+        this invocation, which ran ``tasks_run`` of the tasks (the others were reused from an earlier one)."""
         from recstack.exfm.report import write_report
 
         fm, vms, warm = {}, [], {}
@@ -231,7 +283,8 @@ class ExperimentRunner:
             res["records"] = warm[(j["seed"], j["vertical"])] + res["records"]
         meta = PreparedDataset(self.data[self.cfg.experiment.seeds[0]]).info
         names = meta.get("verticals") or [f"v{v}" for v in range(max(max(v) for v in self.verticals.values()) + 1)]
-        results = {"config": self.cfg.to_dict(), "seconds": seconds, "tasks_run": tasks_run, "vertical_names": names,
+        results = {"config": self.cfg.to_dict(), "seconds": seconds, "tasks_run": tasks_run,
+                   "tasks_reused": len(tasks) - tasks_run, "vertical_names": names,
                    "fm": {str(s): r for s, r in fm.items()},
                    "vm": [{"seed": r["job"]["seed"], "vertical": r["job"]["vertical"], "arm": r["job"]["arm"],
                            "staleness": r["job"]["staleness"], "records": r["records"], "summary": r["summary"]}
