@@ -41,7 +41,9 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     """DLRM architecture. ``bottom_mlp`` ends in ``embedding_dim`` for the dot interaction; ``top_mlp``
-    ends in 1 (a logit). ``max_table_size`` caps every table's rows (0 = no cap); ids are taken modulo it."""
+    ends in 1 (a logit). ``max_table_size`` caps every table's rows (0 = no cap); ids are taken modulo it.
+    ``qr_collisions`` m >= 2 turns every table of more than ``qr_threshold`` rows into quotient-remainder
+    tables (ceil(n / m) + m rows, combined by ``qr_operation``; ``recstack.embedding.qr``); 0 = off."""
 
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
@@ -51,6 +53,9 @@ class ModelConfig:
     dcn_layers: int = 3
     dcn_low_rank: int = 512
     max_table_size: int = 0
+    qr_collisions: int = 0
+    qr_threshold: int = 200
+    qr_operation: str = "mult"  # mult | add
 
 
 @dataclass
@@ -344,6 +349,7 @@ def validate(cfg: Config, *, check_device: bool = True) -> None:
     codecs = ("fp32", "fp16", "bf16", "fp8", "int8", "eb")
     choices = {
         "model.interaction": (m.interaction, ("dot", "cat", "dcn")),
+        "model.qr_operation": (m.qr_operation, ("mult", "add")),
         "optim.dense": (o.dense, ("sgd", "adagrad", "adam")),
         "optim.sparse": (o.sparse, ("sgd", "rowwise_adagrad")),
         "dist.sharding": (cfg.dist.sharding,
@@ -361,6 +367,9 @@ def validate(cfg: Config, *, check_device: bool = True) -> None:
     _check_device(t.device, check_device)
     if cfg.data.synth:
         synth_config(cfg.data.synth, "data.synth")
+    if m.qr_collisions < 0 or m.qr_collisions == 1 or m.qr_threshold < 0:
+        raise ConfigError(f"model.qr_collisions / model.qr_threshold: need qr_collisions 0 (off) or >= 2 and "
+                          f"qr_threshold >= 0, got {m.qr_collisions} / {m.qr_threshold}")
     if not m.top_mlp or m.top_mlp[-1] != 1:
         raise ConfigError(f"model.top_mlp: must end in 1 (a logit), got {m.top_mlp}")
     if m.interaction == "dot" and m.bottom_mlp and m.bottom_mlp[-1] != m.embedding_dim:

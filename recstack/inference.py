@@ -41,7 +41,7 @@ def check_data(cfg: Config, model: DLRM, data: PreparedDataset) -> None:
     """Raise a ValueError naming the data set and the first feature whose layout the model does not have
     (dense features, sparse features, each feature's table size and which features share a table)."""
     emb = model.embeddings
-    sizes = [emb.tables[t].num_embeddings for t in emb.feature_table]  # per feature (tables may be shared)
+    sizes = model.feature_rows()  # per feature (tables may be shared)
     trained_on = f" (trained on {cfg.data.train})" if cfg.data.train else ""
     if len(data.sparse_features) != len(sizes) or len(data.dense_features) != model.num_dense:
         raise ValueError(
@@ -70,9 +70,7 @@ def check_data(cfg: Config, model: DLRM, data: PreparedDataset) -> None:
 
 def _loader(cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int) -> BatchLoader:
     check_data(cfg, model, data)
-    emb = model.embeddings
-    sizes = [emb.tables[t].num_embeddings for t in emb.feature_table]
-    caps = sizes if cfg.model.max_table_size > 0 else None
+    caps = model.feature_rows() if cfg.model.max_table_size > 0 else None
     return BatchLoader(data, batch_size, drop_last=False, table_caps=caps)
 
 

@@ -169,9 +169,12 @@ class Trainer:
             cfg, self.num_dense, self.table_sizes, self.device, self.train_ds.table_names
         )
         self.net: torch.nn.Module = self.model  # what the step calls: the model, or DDP around it
+        split = self.model.split_batch  # ids as the tables read them (quotient-remainder: split by the loader thread)
+        if self.model.qr is not None:
+            self.train_loader.transform = self.eval_loader.transform = split
         prefetch = getattr(self.model.embeddings, "next_batch_hook", lambda: None)()
         if prefetch is not None:  # cached embedding tiers: the loader announces batches so rows come in ahead
-            self.train_loader.transform = prefetch
+            self.train_loader.transform = lambda b: prefetch(split(b))
         self.compression = CompressionRuntime(cfg, self.output_dir, self.rank, self.world)
         if self.world > 1:
             self._parallelize()
@@ -203,8 +206,8 @@ class Trainer:
         shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn, d.aggregate_gradients)
         self.net = wrap_ddp(self.model, self.device, self.model.embeddings.stats)
         if d.pipeline:  # the prefetch thread moves each batch to the device and distributes its ids
-            emb, device = self.model.embeddings, self.device
-            self.train_loader.transform = lambda b: _route(emb, b.to(device))
+            emb, device, split = self.model.embeddings, self.device, self.model.split_batch
+            self.train_loader.transform = lambda b: _route(emb, split(b.to(device)))
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import torch
 
 from recstack.config import Config
 from recstack.embedding import EmbeddingCollection, FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
+from recstack.embedding.qr import QRSplit
 from recstack.embedding.tiered_placement import build_collection, memory_budgets_set
 from recstack.models.dlrm import DLRM
 
@@ -46,12 +47,16 @@ def build_model(
     """Dense layers are initialised from torch's global RNG (seeded by the caller), tables from per-table
     generators (seeded by ``train.seed``), so the same seed gives the same model on any placement."""
     tables = table_configs(table_sizes, cfg.model.embedding_dim, names)
+    m = cfg.model
+    qr = QRSplit.build(tables, m.qr_collisions, m.qr_threshold, m.qr_operation)
+    if qr is not None:  # the collection holds the quotient and remainder tables
+        tables = list(qr.tables)
     emb: EmbeddingCollection
     if memory_budgets_set(cfg):  # [memory] budgets: tables that do not fit get cached tiers (plan printed)
         emb = build_collection(cfg, tables, sparse_optimizer_config(cfg), device)
     else:
         emb = FusedEmbeddingBagCollection(tables, sparse_optimizer_config(cfg), seed=cfg.train.seed, device=device)
-    return DLRM(cfg.model, num_dense, emb).to(device)
+    return DLRM(cfg.model, num_dense, emb, qr).to(device)
 
 
 def build_dense_optimizer(cfg: Config, params: list[torch.nn.Parameter] | list[dict]) -> torch.optim.Optimizer:

@@ -6,12 +6,15 @@ one (``recstack.distributed``) or a tiered one; nothing here is distributed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from recstack.config import ModelConfig
 from recstack.data.batch import Batch
 from recstack.embedding.collection import EmbeddingCollection
+from recstack.embedding.qr import QRSplit
 from recstack.models.fused_mlp import MLP
 from recstack.models.interaction import CatInteraction, DCNv2Interaction, DotInteraction
 
@@ -23,12 +26,19 @@ def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
 
 
 class DLRM(nn.Module):
-    """dense [B, n_dense] + sparse (F features) -> logits [B]."""
+    """dense [B, n_dense] + sparse (F features) -> logits [B].
 
-    def __init__(self, cfg: ModelConfig, num_dense: int, embeddings: EmbeddingCollection) -> None:
+    With quotient-remainder tables (``qr``) the collection reads F + K features: the batch's F are split
+    (here, or by the loader ahead of a sharded collection's id distribution: ``split_batch``) and the pooled
+    [B, F + K, D] combined back to [B, F, D] before the interaction."""
+
+    def __init__(self, cfg: ModelConfig, num_dense: int, embeddings: EmbeddingCollection,
+                 qr: QRSplit | None = None) -> None:
         super().__init__()
-        d, f = embeddings.embedding_dim, embeddings.num_features
+        d = embeddings.embedding_dim
+        f = qr.num_features if qr is not None else embeddings.num_features
         self.embeddings = embeddings
+        self.qr = qr
         self.num_dense = num_dense
         # No dense features -> no bottom MLP (schema-driven data sets may have only categorical columns).
         self.bottom = mlp([num_dense, *cfg.bottom_mlp], last_activation=True) if num_dense else None
@@ -49,8 +59,26 @@ class DLRM(nn.Module):
     def forward_features(self, batch: Batch) -> torch.Tensor:
         """-> interaction output [B, interaction.out_dim] (the shared body for heads built on top)."""
         dense = self.bottom(batch.dense) if self.bottom is not None else None
-        emb = self.embeddings(batch.sparse)  # [B, F, D]
+        if self.qr is None:
+            emb = self.embeddings(batch.sparse)  # [B, F, D]
+        else:
+            emb = self.qr.combine(self.embeddings(self.qr.split(batch.sparse)))  # [B, F + K, D] -> [B, F, D]
         return self.interaction(dense, emb)
+
+    def feature_rows(self) -> list[int]:
+        """[F] rows of the table each input feature's ids index (as the data has them: before a split)."""
+        if self.qr is not None:
+            rows = {f: t.num_embeddings for t in self.qr.raw_tables for f in t.features}
+            return [rows[f] for f in range(self.qr.num_features)]
+        emb = self.embeddings
+        return [emb.tables[t].num_embeddings for t in emb.feature_table]
+
+    def split_batch(self, batch: Batch) -> Batch:
+        """The batch as the collection reads it (its ids split into quotients and remainders when the model
+        has QR tables; otherwise the batch itself)."""
+        if self.qr is None:
+            return batch
+        return dataclasses.replace(batch, sparse=self.qr.split(batch.sparse))
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.top(self.forward_features(batch)).squeeze(1)

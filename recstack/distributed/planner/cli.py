@@ -133,7 +133,28 @@ def build_tables(args: argparse.Namespace) -> list[TableSpec]:
     if args.max_table_size:  # hashing into fewer rows scrambles a histogram over rows: capped tables go uniform
         specs = [TableSpec(t.name, min(t.rows, args.max_table_size), t.dim, t.pooling,
                            t.access_counts if t.rows <= args.max_table_size else None) for t in specs]
+    if args.qr_collisions:
+        specs = _qr_split(specs, args.qr_collisions, args.qr_threshold)
     return specs
+
+
+def _qr_split(specs: list[TableSpec], collisions: int, threshold: int) -> list[TableSpec]:
+    """The tables a model with ``model.qr_collisions`` holds: each split table as its quotient table (same
+    name; i // m keeps the histogram over row ranges) and, after all tables, its ``<name>_rem`` table (m
+    rows; ids modulo m taken as uniform), in the order ``recstack.embedding.qr`` builds them."""
+    from recstack.embedding.qr import REMAINDER_SUFFIX, split_rows
+
+    if collisions < 2:
+        raise PlanError(f"--qr-collisions: must be >= 2, got {collisions}")
+    out, remainders = [], []
+    for t in specs:
+        rows = split_rows(t.rows, collisions, threshold)
+        if rows is None:
+            out.append(t)
+            continue
+        out.append(TableSpec(t.name, rows[0], t.dim, t.pooling, t.access_counts))
+        remainders.append(TableSpec(t.name + REMAINDER_SUFFIX, rows[1], t.dim, t.pooling))
+    return out + remainders
 
 
 def _constraints(items: list[str]) -> dict[str, list[str]]:
@@ -158,6 +179,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"synthetic {SYNTHETIC_DIM}, else the file's)")
     g.add_argument("--max-table-size", type=parse_count, help="cap every table at this many rows")
     g.add_argument("--pooling", type=float, help="mean ids per sample (default 1; a file's own values win)")
+    g.add_argument("--qr-collisions", type=int, default=0, metavar="M",
+                   help="plan the quotient-remainder tables of model.qr_collisions = M (0: off)")
+    g.add_argument("--qr-threshold", type=int, default=200, help="tables of more rows are split (200)")
     g = p.add_argument_group("cluster")
     g.add_argument("--topology", type=parse_topology, default=(1, 8), metavar="NODESxDEVICES",
                    help="e.g. 16x8 (default 1x8)")
