@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from recstack.cli import main
-from recstack.config import ConfigError, Config, load_config
+from recstack.config import Config, ConfigError, load_config
 from recstack.data.batch import Batch, SparseFeatures
 from recstack.embedding.collection import TableConfig
 from recstack.embedding.qr import QRSplit
@@ -57,7 +57,7 @@ def test_pooled_embeddings_follow_the_reference_formula(operation: str, weights:
     w = {t.name: m.embeddings.table_weight(t.name) for t in m.embeddings.tables}
     table = ["a", "b", "c", "c"]
     pos = 0
-    for f, n in enumerate(sizes):
+    for f in range(len(sizes)):
         for b in range(6):
             ids = bags[f][b]
             ws = [float(pos + k + 1) if weights else 1.0 for k in range(len(ids))]
