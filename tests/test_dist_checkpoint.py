@@ -123,3 +123,22 @@ def test_error_feedback_residuals_survive_a_resume(tiny_dataset: Path, tmp_path:
     assert grown["steps"] == 10
     assert log[1].count("error-feedback residuals of every rank start from zero") == 1
     assert "written by 2 ranks and this run has 3" in log[1]
+
+
+def test_checkpoint_of_other_table_sizes_stops_every_rank(tiny_dataset: Path, tmp_path: Path) -> None:
+    """Saved with every table capped at 5 rows, resumed with the cap raised to 20 (row-wise on 2 ranks: rank 0's
+    rows 0-9 partly covered by the checkpoint, rank 1's rows 10-19 not at all). Rows the checkpoint lacks must
+    not keep their fresh initialisation: both ranks stop with the same error, and neither waits for the other."""
+    run = tmp_path / "run"
+    layout = ["train.batch_size=32", 'dist.sharding="row_wise"', "dist.timeout_s=60"]
+    _torchrun(2, tiny_dataset, run, [*layout, "train.max_steps=4", "train.checkpoint_every=4",
+                                     "model.max_table_size=5"])
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "-m", "recstack", "train", "--output-dir", str(run), "--set", f'data.train="{tiny_dataset}"', "--resume"]
+    for o in [*COMMON, *layout, "train.max_steps=8", "model.max_table_size=20"]:
+        args += ["--set", o]
+    started = time.time()
+    res = subprocess.run(args, capture_output=True, text=True, timeout=400)
+    assert res.returncode != 0 and time.time() - started < 50, res.stderr[-3000:]  # an error, not a timeout
+    message = f"{run / 'checkpoints' / 'step_000000004'}: table 'C1' was saved as 5 x 8, the model's is 20 x 8"
+    assert res.stderr.count(f"recstack train: error: {message}") == 2, res.stderr[-3000:]

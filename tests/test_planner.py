@@ -7,6 +7,7 @@ import argparse
 import itertools
 import json
 import math
+import re
 import time
 
 import numpy as np
@@ -385,3 +386,99 @@ def test_cli_table_file_errors_name_file_line_and_field(tmp_path) -> None:
                  ' {"name": "b", "rows": 50}]')
     plan = _run_cli(["--tables", str(f), "--dim", "4", "--topology", "1x2", "--time-limit", "1"])
     assert [(t.name, t.dim) for t in plan.tables] == [("a", 4), ("b", 4)]
+
+
+# -- plan files for dist.plan (hand-written or from the planner) ------------------------------------------------
+def _plan_file(tmp_path, tables: list[dict], **top) -> str:
+    path = tmp_path / "my_plan.json"
+    path.write_text(json.dumps({"world_size": 2, **top, "tables": tables}))
+    return str(path)
+
+
+def _entry(name: str, sharding: str, ranks, **more) -> dict:
+    return {"name": name, "sharding": sharding, "ranks": ranks, **more}
+
+
+@pytest.mark.parametrize(("tables", "top", "message"), [
+    ([_entry("C1", "table_wise", [0.7]), _entry("C2", "table_wise", [1.9])], {},
+     r"plan table 0 \('C1'\): field 'ranks' must be a non-empty list of integers, got \[0.7\]"),
+    ([_entry("C1", "table_wise", [0]), _entry("C2", "row_wise", "10")], {},
+     r"plan table 1 \('C2'\): field 'ranks' must be a list of ranks, got '10'"),
+    ([_entry("C1", "table_wise", [0]), _entry("C2", "data_parallel", [1])], {},
+     r"plan table 1 \('C2'\): field 'ranks': data_parallel must list every rank 0..1 in order, got \[1\]"),
+    ([_entry("C1", "table_wise", [0]), _entry("C2", "table_wise", [])], {},
+     r"plan table 1 \('C2'\): field 'ranks' must be a non-empty list of integers, got \[\]"),
+    ([_entry("C1", "table_wise", [0]), _entry("C2", "column_wise", [0, 1, 0])], {},
+     r"plan table 1 \('C2'\): field 'ranks': a rank appears twice"),
+    ([_entry("C1", "table_wise", [2]), _entry("C2", "table_wise", [0])], {},
+     r"plan table 0 \('C1'\): field 'ranks': rank\(s\) \[2\] out of range 0..1"),
+    ([_entry("C1", "tablewise", [0]), _entry("C2", "table_wise", [0])], {},
+     r"plan table 0 \('C1'\): field 'sharding': unknown sharding 'tablewise'"),
+    ([_entry("C1", "table_wise", [0], rows="300"), _entry("C2", "table_wise", [0])], {},
+     r"plan table 0 \('C1'\): field 'rows' must be a positive integer, got '300'"),
+    ([_entry("C1", "table_wise", [0], memory_bytes_per_rank={"1": 10}), _entry("C2", "table_wise", [0])], {},
+     r"plan table 0 \('C1'\): field 'memory_bytes_per_rank' names ranks \[1\]"),
+    ([_entry("C1", "table_wise", [0], rank=[1]), _entry("C2", "table_wise", [0])], {},
+     r"plan table 0 \('C1'\): unknown field\(s\) \['rank'\]"),
+    ([_entry("C1", "table_wise", [0])], {}, r"no entry for table\(s\) \['C2'\]"),
+    ([_entry("C1", "table_wise", [0]), _entry("C2", "table_wise", [0]), _entry("C9", "table_wise", [0])], {},
+     r"plan table 2 \('C9'\): unknown table"),
+    ([_entry("C1", "table_wise", [0]), _entry("C2", "table_wise", [0])], {"world_size": 4},
+     r"field 'world_size': plan is for world size 4, running with 2"),
+    ([_entry("C1", "table_wise", [0]), _entry("C2", "table_wise", [0])], {"world_size": "2"},
+     r"field 'world_size' must be a positive integer, got '2'"),
+    ([_entry("C1", "table_wise", [0]), _entry("C2", "table_wise", [0])], {"topology": {"nodes": 2}},
+     r"field 'topology': plan topology has 2 x 8 = 16 ranks"),
+])
+def test_plan_file_errors_name_file_table_and_field(tmp_path, tables, top, message) -> None:
+    from recstack.config import DistConfig
+    from recstack.distributed.parallelize import placements_from_config
+
+    path = _plan_file(tmp_path, tables, **top)
+    with pytest.raises(PlanError, match=f"^{re.escape(path)}: .*{message}"):
+        placements_from_config(DistConfig(plan=path), ["C1", "C2"], 2)
+
+
+def test_plan_file_checked_against_the_table_sizes(tmp_path) -> None:
+    """Rows and dim may be left out (they are the model's); where given they must match, and shard counts must
+    split the tables. The sharded collection runs this check (``PlanPlacements.check``) before any collective."""
+    from recstack.config import DistConfig
+    from recstack.distributed.parallelize import placements_from_config
+
+    sizes = [TableSpec("C1", 1, 8), TableSpec("C2", 300, 8)]
+    ok = _plan_file(tmp_path, [_entry("C1", "row_wise", [0, 1]), _entry("C2", "column_wise", [1, 0], dim=8)])
+    placements = placements_from_config(DistConfig(plan=ok), ["C1", "C2"], 2)
+    placements.check(sizes)  # a hand-written plan may leave a row block empty (1 row over 2 ranks)
+    assert list(placements) == [("row_wise", [0, 1]), ("column_wise", [1, 0])]
+    for tables, message in [
+        ([_entry("C1", "table_wise", [0]), _entry("C2", "table_wise", [1], rows=200)],
+         r"plan table 1 \('C2'\): field 'rows' is 200 in the plan, the table is 300 x 8"),
+        ([_entry("C1", "table_wise", [0], dim=16), _entry("C2", "table_wise", [1])],
+         r"plan table 0 \('C1'\): field 'dim' is 16 in the plan, the table is 1 x 8"),
+        ([_entry("C1", "table_wise", [0]), _entry("C2", "column_wise", [0, 1])], None),
+    ]:
+        path = _plan_file(tmp_path, tables)
+        placements = placements_from_config(DistConfig(plan=path), ["C1", "C2"], 2)
+        if message is None:
+            placements.check(sizes)
+            continue
+        with pytest.raises(PlanError, match=f"^{re.escape(path)}: {message}"):
+            placements.check(sizes)
+    three = _plan_file(tmp_path, [_entry("C1", "table_wise", [0]), _entry("C2", "column_wise", [0, 1, 2])],
+                       world_size=3)
+    placements = placements_from_config(DistConfig(plan=three), ["C1", "C2"], 3)
+    message = r"plan table 1 \('C2'\): field 'ranks': column_wise over 3 ranks needs dim divisible by 3, dim is 8"
+    with pytest.raises(PlanError, match=f"^{re.escape(three)}: {message}"):
+        placements.check(sizes)
+
+
+def test_planner_plan_file_is_read_for_training(tmp_path) -> None:
+    from recstack.config import DistConfig
+    from recstack.distributed.parallelize import placements_from_config
+
+    plan, tables = _small_plan()
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    placements = placements_from_config(DistConfig(plan=str(path)), [t.name for t in tables], 4)
+    placements.check(tables)
+    assert list(placements) == [(t.sharding, t.ranks) for t in plan.tables]

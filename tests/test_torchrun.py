@@ -107,3 +107,69 @@ def test_max_restarts_resumes_from_checkpoint(tiny_dataset: Path, tmp_path: Path
     summary = json.loads((out / "summary.json").read_text())
     for k in ("auc", "logloss", "train_samples"):
         assert summary[k] == pytest.approx(single[k], abs=1e-5), k
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "recstack"]
+
+
+def test_last_eval_batch_leaves_a_rank_without_rows(tmp_path: Path) -> None:
+    """1001 evaluation rows in global batches of 2 x 500: the last one has a single row, so rank 0 gets none.
+    It still joins the collectives: the metrics over all 1001 rows equal one process's, and the run ends with
+    its final checkpoint."""
+    from conftest import write_tiny_dataset
+
+    data = write_tiny_dataset(tmp_path / "data", rows=10010)  # data.eval_fraction 0.1: 1001 evaluation rows
+    steps = ["train.max_steps=20", "train.eval_every=10", 'dist.sharding="row_wise"']
+    one = _train([sys.executable, "-m", "recstack"], data, tmp_path / "one",
+                 ["train.batch_size=128", "train.eval_batch_size=1000", *steps])
+    two = _train(TORCHRUN, data, tmp_path / "two", ["train.batch_size=64", "train.eval_batch_size=500", *steps])
+    assert two["eval_examples"] == one["eval_examples"] == 1001
+    for k in ("auc", "logloss", "ne", "calibration", "accuracy"):
+        assert two[k] == pytest.approx(one[k], abs=1e-5), k
+    assert (tmp_path / "two" / "checkpoints" / "step_000000020" / "trainer.pt").is_file()
+
+
+def test_hand_written_plan_is_validated_and_trains(tiny_dataset: Path, tmp_path: Path, single: dict) -> None:
+    """A plan file without the planner's estimates trains like one process; one whose table does not fit the
+    model (rows given wrong) stops every rank with an error naming the file, the table and the field."""
+    entries = [{"name": "C1", "sharding": "row_wise", "ranks": [1, 0]},
+               {"name": "C2", "sharding": "table_wise", "ranks": [1]},
+               {"name": "C3", "sharding": "column_wise", "ranks": [0, 1]},
+               {"name": "C4", "sharding": "data_parallel", "ranks": [0, 1]}]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"world_size": 2, "tables": entries}))
+    two = _train(TORCHRUN, tiny_dataset, tmp_path / "two", ["train.batch_size=64", f'dist.plan="{plan}"'])
+    for k in ("auc", "logloss"):
+        assert two[k] == pytest.approx(single[k], abs=1e-5), k
+
+    bad = tmp_path / "bad_plan.json"
+    bad.write_text(json.dumps({"world_size": 2, "tables": [*entries[:3], {**entries[3], "rows": 999}]}))
+    args = [*TORCHRUN, "train", "--output-dir", str(tmp_path / "bad"), "--set", f'data.train="{tiny_dataset}"']
+    for o in [*COMMON, "train.batch_size=64", f'dist.plan="{bad}"']:
+        args += ["--set", o]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    message = f"{bad}: plan table 3 ('C4'): field 'rows' is 999 in the plan, the table is 1000 x 8"
+    assert res.stderr.count(message) == 2, res.stderr[-3000:]  # from both ranks, before any collective
+
+
+def test_resume_refuses_the_other_checkpoint_format(tiny_dataset: Path, tmp_path: Path) -> None:
+    """Sharded checkpoints (torchrun) and single-process ones do not load into each other: a resume that finds
+    only the other kind stops with an error naming it instead of training from scratch beside it."""
+    def run(cmd: list[str], out: Path, extra: list[str], resume: bool) -> subprocess.CompletedProcess:
+        args = [*cmd, "train", "--output-dir", str(out), "--set", f'data.train="{tiny_dataset}"']
+        for o in [*COMMON, "train.max_steps=20", "train.checkpoint_every=20", 'dist.sharding="row_wise"', *extra]:
+            args += ["--set", o]
+        return subprocess.run(args + (["--resume"] if resume else []), capture_output=True, text=True, timeout=300)
+
+    single = [sys.executable, "-m", "recstack"]
+    assert run(TORCHRUN, tmp_path / "two", ["train.batch_size=64"], False).returncode == 0
+    res = run(single, tmp_path / "two", ["train.batch_size=128", "train.max_steps=40"], True)
+    assert res.returncode == 2 and "step_000000020, a sharded checkpoint written under torchrun" in res.stderr
+    assert "starting from scratch" not in res.stdout
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_000000020"]
+
+    assert run(single, tmp_path / "one", ["train.batch_size=128"], False).returncode == 0
+    res = run(TORCHRUN, tmp_path / "one", ["train.batch_size=64", "train.max_steps=40"], True)
+    assert res.returncode != 0 and "ckpt_000000020.pt, written by a single process" in res.stderr, res.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "one" / "checkpoints").iterdir()) == ["ckpt_000000020.pt"]

@@ -10,7 +10,10 @@ A checkpoint is a directory ``checkpoints/step_<step>/``:
     of the chunks the rank sent. It only fits the world size that wrote it; the trainer drops it otherwise.
 It is written into ``step_<step>.tmp`` and renamed by rank 0 after every rank has finished, so a crash leaves
 no directory that looks complete. On load each rank computes the rectangles of its new shards, reads the
-saved rectangles that overlap them (whatever layout wrote them) and copies the overlaps: resharding.
+saved rectangles that overlap them (whatever layout wrote them) and copies the overlaps: resharding. First
+the saved rectangles of every table must tile the model's table exactly (same rows and dim, nothing missing
+or overlapping), and the ranks agree on it: if the check or reading fails on any rank, every rank raises
+:class:`CheckpointError` before any shard is read.
 """
 
 from __future__ import annotations
@@ -65,8 +68,13 @@ def embedding_state(coll: ShardedEmbeddingCollection) -> dict[str, torch.Tensor]
     return state
 
 
-def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path) -> None:
-    """Fill this rank's shards from a checkpoint written with any number of ranks and any layout."""
+class CheckpointError(ValueError):
+    """A checkpoint this model cannot be loaded from: a table missing or of another size, saved pieces that do
+    not cover it, or a file a rank cannot read. Raised on every rank alike, before any rank reads shards."""
+
+
+def _saved_pieces(path: Path) -> tuple[Any, dict[tuple[str, str], list[tuple[str, int, int, int, int]]]]:
+    """-> (DCP metadata per key, {(table, part): [(key, row0, row1, col0, col1), ...]})."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     pieces: dict[tuple[str, str], list[tuple[str, int, int, int, int]]] = {}
     for key in saved:
@@ -75,20 +83,83 @@ def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path) -> None:
             pieces.setdefault((m["table"], m["part"]), []).append(
                 (key, int(m["r0"]), int(m["r1"]), int(m["c0"]), int(m["c1"]))
             )
+    return saved, pieces
+
+
+def check_coverage(coll: ShardedEmbeddingCollection, path: Path,
+                   pieces: dict[tuple[str, str], list[tuple[str, int, int, int, int]]]) -> None:
+    """Raise :class:`CheckpointError` unless, for every table of the model (and its accumulator when the
+    optimizer keeps one), the saved rectangles tile exactly [0, rows) x [0, dim): none outside it, none
+    overlapping, none missing. Depends only on the checkpoint and the model, so every rank decides alike."""
+    parts = ["weight", "accumulator"] if coll.optimizer.needs_accumulator else ["weight"]
+    for t in coll.tables:
+        rows, dim = t.num_embeddings, t.embedding_dim
+        for part in parts:
+            found = pieces.get((t.name, part), [])
+            if not found:
+                raise CheckpointError(f"{path}: no saved {part} for table {t.name!r} (the checkpoint has "
+                                      f"tables {sorted({n for n, _ in pieces})})")
+            saved_rows = max(p[2] for p in found)
+            saved_dim = max(p[4] for p in found)
+            if (saved_rows, saved_dim) != (rows, dim):
+                raise CheckpointError(f"{path}: table {t.name!r} was saved as {saved_rows} x {saved_dim}, the "
+                                      f"model's is {rows} x {dim}")
+            rects = sorted((r0, r1, c0, c1) for _, r0, r1, c0, c1 in found if r1 > r0 and c1 > c0)
+            for i, a in enumerate(rects):
+                for b in rects[i + 1 :]:
+                    if b[0] >= a[1]:
+                        break  # sorted by first row: no later rectangle reaches back into ``a``
+                    if b[2] < a[3] and b[3] > a[2]:
+                        raise CheckpointError(f"{path}: saved {part} pieces of table {t.name!r} overlap: "
+                                              f"rows {a[0]}-{a[1]} x cols {a[2]}-{a[3]} and rows {b[0]}-{b[1]} "
+                                              f"x cols {b[2]}-{b[3]}")
+            area = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in rects)
+            if area != rows * dim:
+                raise CheckpointError(f"{path}: saved {part} pieces of table {t.name!r} cover {area} of its "
+                                      f"{rows} x {dim} values")
+
+
+def agree(error: BaseException | None) -> None:
+    """Collective: every rank says whether it failed; if any did, every rank raises: the error itself where
+    all ranks failed alike (a verdict on the checkpoint), else a :class:`CheckpointError` with the lowest failing
+    rank's message. No rank is left waiting in a later collective."""
+    report = None if error is None else str(error) if isinstance(error, CheckpointError) else \
+        f"{type(error).__name__}: {error}"
+    reports: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    failed = [(r, m) for r, m in enumerate(reports) if m is not None]
+    if not failed:
+        return
+    if error is not None and len(failed) == len(reports) and all(m == report for _, m in failed):
+        raise error
+    rank, message = failed[0]
+    raise CheckpointError(f"rank {rank} of {len(reports)} could not load the checkpoint: {message}") from error
+
+
+def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: BaseException | None = None) -> None:
+    """Collective. Fill this rank's shards from a checkpoint written with any number of ranks and any layout.
+    The checkpoint must hold every table of the model at the model's size (:func:`check_coverage`); if it does
+    not, or reading it fails on any rank (or ``error``, an earlier failure of this rank, is given), every rank
+    raises :class:`CheckpointError` and none reads."""
     plan: list[tuple[torch.Tensor, Shard, str, tuple[str, int, int, int, int]]] = []
     request: dict[str, torch.Tensor] = {}
-    for name, s, w, acc in _local_shards(coll):
-        for part, target in (("weight", w), ("accumulator", acc)):
-            if target is None:
-                continue
-            found = [p for p in pieces.get((name, part), []) if p[1] < s.row1 and p[2] > s.row0
-                     and p[3] < s.col1 and p[4] > s.col0]
-            if s.rows and not found:
-                raise KeyError(f"{path}: no saved {part} covers table {name!r} rows {s.row0}-{s.row1}")
-            for p in found:
-                shape = saved[p[0]].size
-                request.setdefault(p[0], torch.empty(tuple(shape), dtype=target.dtype))
-                plan.append((target, s, part, p))
+    if error is None:
+        try:
+            saved, pieces = _saved_pieces(path)
+            check_coverage(coll, path, pieces)
+            for name, s, w, acc in _local_shards(coll):
+                for part, target in (("weight", w), ("accumulator", acc)):
+                    if target is None:
+                        continue
+                    found = [p for p in pieces.get((name, part), []) if p[1] < s.row1 and p[2] > s.row0
+                             and p[3] < s.col1 and p[4] > s.col0]
+                    for p in found:
+                        shape = saved[p[0]].size
+                        request.setdefault(p[0], torch.empty(tuple(shape), dtype=target.dtype))
+                        plan.append((target, s, part, p))
+        except Exception as e:  # decided together below: a rank that raised alone would leave the rest waiting
+            error = e
+    agree(error)
     dcp.load(request, checkpoint_id=str(path))  # collective: every rank reads what it asked for
     # Row-wise Adagrad state: the width-weighted mean of the overlapping column blocks' accumulators (exact
     # unless a column-wise layout is read into a different column split).
@@ -160,11 +231,16 @@ def list_sharded(directory: Path) -> list[Path]:
 def load_sharded(path: Path, coll: ShardedEmbeddingCollection, map_location: torch.device) -> dict[str, Any]:
     """Collective. Loads the embedding shards in place; returns the trainer state (dense model etc.) updated
     with this rank's ``rank_<rank>.pt`` when there is one (a rank beyond the saving world size has none)."""
-    state = torch.load(path / "trainer.pt", map_location=map_location, weights_only=True)
-    if state.get("complete") is not True:
-        raise RuntimeError(f"{path}: incomplete checkpoint")
-    mine = rank_file(path, dist.get_rank())
-    if mine.is_file():
-        state.update(torch.load(mine, map_location=map_location, weights_only=True))
-    load_embedding_state(coll, path)
+    error: BaseException | None = None
+    state: dict[str, Any] = {}
+    try:
+        state = torch.load(path / "trainer.pt", map_location=map_location, weights_only=True)
+        if state.get("complete") is not True:
+            raise RuntimeError(f"{path}: incomplete checkpoint")
+        mine = rank_file(path, dist.get_rank())
+        if mine.is_file():
+            state.update(torch.load(mine, map_location=map_location, weights_only=True))
+    except Exception as e:  # every rank learns of it in load_embedding_state, before anyone reads shards
+        error = e
+    load_embedding_state(coll, path, error)
     return state

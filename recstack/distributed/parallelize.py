@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from recstack.config import DistConfig
+from recstack.data.batch import Batch
 from recstack.distributed.comm import CommStats
+from recstack.distributed.planner.types import PlanError, PlanPlacements, ShardingPlan, Topology
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.metrics import BinaryMetrics
 from recstack.models.dlrm import DLRM
@@ -66,12 +68,28 @@ def shard_model(
     return model
 
 
+class HybridDDP(DDP):
+    """DDP over the dense part of a model whose embeddings are sharded.
+
+    A rank can get no rows of a batch: the last, short evaluation batch is split over the ranks, so with fewer
+    rows than ranks some ranks get none. Such a rank still runs the embedding collection (the other ranks'
+    lookups need its all-to-alls) and returns empty logits [0] instead of running the dense layers. This only
+    happens without gradients (evaluation); training batches always hold ``batch_size`` rows per rank."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        batch = inputs[0] if len(inputs) == 1 and not kwargs else None
+        if isinstance(batch, Batch) and batch.batch_size == 0 and not torch.is_grad_enabled():
+            self.module.embeddings(self.module.split_batch(batch).sparse)  # [0, F, D]: joins every collective
+            return batch.labels.new_zeros(0, dtype=batch.dense.dtype)
+        return super().forward(*inputs, **kwargs)
+
+
 def wrap_ddp(model: DLRM, device: torch.device, stats: CommStats | None = None) -> DDP:
     """DDP over the dense parameters only: embedding buffers differ per rank and update themselves.
     With ``stats``, each gradient bucket's all-reduce is timed (launch to completion; it overlaps backward)."""
     ignore = [f"embeddings.{name}" for name, _ in model.embeddings.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
+    ddp = HybridDDP(model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
     if stats is not None:
         ddp.register_comm_hook(stats, _timed_allreduce)
     return ddp
@@ -104,21 +122,23 @@ def placements_from_config(
     dist_cfg: DistConfig, table_names: list[str], world_size: int
 ) -> list[tuple[str, list[int]]]:
     """(sharding, ranks) per table: from the plan JSON when ``dist.plan`` is set, else ``dist.sharding`` for
-    every table (table_wise tables dealt round-robin)."""
+    every table (table_wise tables dealt round-robin).
+
+    A plan is checked with the planner's own validation (``ShardingPlan.validate``); a hand-written one may
+    leave out what the planner derives (version, topology, batch size, rows and dim, memory estimates).
+    Errors name the plan file, the table and the field. The checks that need the tables' sizes run when the
+    sharded collection is built (``PlanPlacements.check``)."""
     if dist_cfg.plan:
         path = Path(dist_cfg.plan)
         try:
-            plan = json.loads(path.read_text())
-            entries = {t["name"]: (t["sharding"], [int(r) for r in t["ranks"]]) for t in plan["tables"]}
-            planned_world = int(plan["world_size"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: not a readable sharding plan ({type(e).__name__}: {e})") from e
-        if planned_world != world_size:
-            raise ValueError(f"{path}: planned for {planned_world} ranks, the job has {world_size}")
-        missing = [n for n in table_names if n not in entries]
-        if missing:
-            raise ValueError(f"{path}: no placement for tables {missing}")
-        return [entries[n] for n in table_names]
+            text = path.read_text()
+        except OSError as e:
+            raise PlanError(f"{path}: cannot read the sharding plan ({e})") from e
+        per_node = dist_cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        nodes, rest = divmod(world_size, per_node) if per_node > 0 else (0, 1)
+        job = Topology(nodes, per_node) if nodes and not rest else Topology(1, world_size)
+        plan = ShardingPlan.from_json(text, str(path), estimates=False, topology=job)
+        return PlanPlacements(plan, table_names, world_size, str(path))
     everyone = list(range(world_size))
     if dist_cfg.sharding == "table_wise":
         return [("table_wise", [i % world_size]) for i in range(len(table_names))]

@@ -11,7 +11,9 @@ Per step, on every rank (B = local batch, F features, W ranks):
      ``aggregate_gradients`` one row per distinct id of one-hot features) and the owner applies the fused
      sparse optimizer; replicated tables all-reduce their gradient and update every replica.
 Gradients are scaled by 1/W to match DDP's averaging of the dense part, so W ranks with batch B reproduce
-one process with batch W*B.
+one process with batch W*B. A rank may have no samples (B = 0: the last, short evaluation batch) and still
+takes part in every collective; a row shard may hold no rows (row blocks of ceil(rows / k) rows leave the
+last ones empty for small tables): it gets no ids and its partial sums are zero.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from recstack.data.batch import SparseFeatures
 from recstack.distributed import grad_aggregation as ga
 from recstack.distributed.comm import CommStats, PooledExchange, all_to_all_variable
 from recstack.distributed.grad_aggregation import GradGroups
+from recstack.distributed.planner.types import PlanPlacements, TableSpec
 from recstack.distributed.sharding import Shard, table_shards
 from recstack.embedding.collection import EmbeddingCollection, FusedEmbeddingBagCollection, TableConfig, init_table
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
@@ -52,7 +55,7 @@ class _GatherPieces(torch.autograd.Function):
         pos = 0
         for g, r0, r1, s in ctx.pieces:
             n = (r1 - r0) * ctx.shapes[g][2]
-            grads[g][r0:r1, s] = grad[pos : pos + n].view(r1 - r0, -1)
+            grads[g][r0:r1, s] = grad[pos : pos + n].view(r1 - r0, ctx.shapes[g][2])
             pos += n
         if ctx.scale != 1.0:
             for x in grads:
@@ -81,6 +84,15 @@ class ReplicatedEmbeddingBagCollection(FusedEmbeddingBagCollection):
         touched = dense.abs().sum(1).nonzero().squeeze(1)  # rows no rank touched keep their state
         self.optimizer.step(self.weight, self.accumulator, touched, dense[touched])
 
+    def forward(self, sparse: SparseFeatures) -> torch.Tensor:
+        if sparse.batch_size == 0 and sparse.num_features == self.num_features:
+            # No samples: look up one empty bag per feature and keep none of it ([0, F, D]), so that in training
+            # the backward still runs and joins the all-reduce that the other ranks' update waits for.
+            bags = SparseFeatures(sparse.ids, sparse.offsets.new_zeros(self.num_features + 1), self.num_features,
+                                  sparse.weights)
+            return super().forward(bags)[:0]
+        return super().forward(sparse)
+
 
 class ShardedEmbeddingCollection(EmbeddingCollection):
     def __init__(
@@ -100,6 +112,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         super().__init__(tables, optimizer)
         if len(placements) != len(tables):
             raise ValueError(f"{len(placements)} placements for {len(tables)} tables")
+        if isinstance(placements, PlanPlacements):  # from a plan file: check it against these tables' sizes,
+            # on every rank alike and before the first collective
+            placements.check([TableSpec(t.name, t.num_embeddings, t.embedding_dim) for t in tables])
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(device)
         # Separate groups so that embedding collectives never interleave with DDP's or each other's.
@@ -180,7 +195,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         group = group or self.ids_group
         b = sparse.batch_size
         lengths = sparse.lengths.view(sparse.num_features, b)  # [F, B]
-        starts = sparse.offsets[:-1:b].tolist() + [int(sparse.offsets[-1])]
+        # first id of every feature (a rank may have no samples: the last, short evaluation batch)
+        starts = (sparse.offsets[:-1:b].tolist() if b else [0] * sparse.num_features) + [int(sparse.offsets[-1])]
         send_ids, send_w = [], []
         send_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, lengths) of every piece sent, rank-major
         for r in range(self.world):

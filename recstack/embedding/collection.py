@@ -30,10 +30,13 @@ class TableConfig:
 
 def init_table(table: TableConfig, seed: int, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """DLRM reference init, uniform(-1/sqrt(rows), 1/sqrt(rows)), from a generator seeded per table so
-    that every placement (one device, sharded, tiered) builds bit-identical rows. -> [rows, dim]."""
+    that every placement (one device, sharded, tiered) builds bit-identical rows. -> [rows, dim] (rows may be
+    0: an empty row shard)."""
+    w = torch.empty(table.num_embeddings, table.embedding_dim, dtype=dtype)
+    if table.num_embeddings == 0:  # an empty row shard (more row blocks than rows): nothing to draw
+        return w
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
     bound = table.num_embeddings**-0.5
-    w = torch.empty(table.num_embeddings, table.embedding_dim, dtype=dtype)
     return w.uniform_(-bound, bound, generator=g)
 
 

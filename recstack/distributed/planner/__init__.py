@@ -4,9 +4,16 @@ slowest rank's predicted step time (``cost.py``) under device memory limits (``p
 from recstack.distributed.planner.cost import TERMS, CostConfig, CostModel, Estimate
 from recstack.distributed.planner.partition import plan_sharding
 from recstack.distributed.planner.report import render_plan
-from recstack.distributed.planner.types import PlanError, ShardingPlan, TableSharding, TableSpec, Topology
+from recstack.distributed.planner.types import (
+    PlanError,
+    PlanPlacements,
+    ShardingPlan,
+    TableSharding,
+    TableSpec,
+    Topology,
+)
 
 __all__ = [
-    "TERMS", "CostConfig", "CostModel", "Estimate", "PlanError", "ShardingPlan", "TableSharding",
+    "TERMS", "CostConfig", "CostModel", "Estimate", "PlanError", "PlanPlacements", "ShardingPlan", "TableSharding",
     "TableSpec", "Topology", "plan_sharding", "render_plan",
 ]

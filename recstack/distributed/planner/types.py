@@ -11,13 +11,19 @@ The plan is the contract with the distributed training code, serialised by :meth
 of a ``row_wise`` / ``table_row_wise`` table (block = ceil(rows / k) rows, shard i = [i*block,
 min((i+1)*block, rows))), every rank 0..W-1 for ``data_parallel`` and one rank for ``table_wise``. Tables
 keep the input order. Sizes are bytes, bandwidths bytes per second, costs seconds per training step.
+
+A plan written by hand for ``dist.plan`` may leave out what the planner derives: ``version``, ``topology``
+(default: the job's nodes and ranks per node), ``batch_size_per_rank``, ``cost`` and, per table, ``rows``,
+``dim`` (taken from the model) and ``memory_bytes_per_rank``. Fields that are present are checked all the same
+(:meth:`ShardingPlan.from_json` with ``estimates=False``, then :class:`PlanPlacements`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -127,35 +133,55 @@ class TableSpec:
             object.__setattr__(self, "access_counts", counts)
 
 
+_TABLE_FIELDS = ("name", "rows", "dim", "sharding", "ranks", "memory_bytes_per_rank")
+
+
 @dataclass
 class TableSharding:
-    """The plan for one table: sharding type, rank of each shard in order, bytes held on each rank."""
+    """The plan for one table: sharding type, rank of each shard in order, bytes held on each rank.
+
+    In a hand-written plan ``rows`` and ``dim`` may be None (the model's are used) and so may
+    ``memory_bytes_per_rank`` (no estimate)."""
 
     name: str
-    rows: int
-    dim: int
+    rows: int | None
+    dim: int | None
     sharding: str
     ranks: list[int]
-    memory_bytes_per_rank: dict[int, int] = field(default_factory=dict)
+    memory_bytes_per_rank: dict[int, int] | None = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "rows": self.rows, "dim": self.dim, "sharding": self.sharding,
-                "ranks": list(self.ranks),
-                "memory_bytes_per_rank": {str(r): int(b) for r, b in self.memory_bytes_per_rank.items()}}
+        d = {"name": self.name, "rows": self.rows, "dim": self.dim, "sharding": self.sharding,
+             "ranks": list(self.ranks)}
+        if self.memory_bytes_per_rank is not None:
+            d["memory_bytes_per_rank"] = {str(r): int(b) for r, b in self.memory_bytes_per_rank.items()}
+        return d
 
     @classmethod
-    def from_dict(cls, d: Any, where: str) -> TableSharding:
+    def from_dict(cls, d: Any, where: str, estimates: bool = True) -> TableSharding:
+        """``estimates=False``: ``rows``, ``dim`` and ``memory_bytes_per_rank`` may be missing."""
         if not isinstance(d, dict):
             raise PlanError(f"{where}: expected an object, got {type(d).__name__}")
-        values = {k: _field(d, k, where) for k in ("name", "rows", "dim", "sharding", "ranks")}
-        memory = _field(d, "memory_bytes_per_rank", where)
-        if not isinstance(values["ranks"], list) or not isinstance(memory, dict):
-            raise PlanError(f"{where}: 'ranks' must be a list and 'memory_bytes_per_rank' an object")
-        try:
-            mem = {int(r): b for r, b in memory.items()}
-        except ValueError as e:
-            raise PlanError(f"{where}: field 'memory_bytes_per_rank' has a key that is not a rank: {e}") from e
-        return cls(values["name"], values["rows"], values["dim"], values["sharding"], values["ranks"], mem)
+        name = _field(d, "name", where)
+        if isinstance(name, str) and name:
+            where = f"{where} ({name!r})"
+        unknown = sorted(set(d) - set(_TABLE_FIELDS))
+        if unknown:
+            raise PlanError(f"{where}: unknown field(s) {unknown} (known: {list(_TABLE_FIELDS)})")
+        optional = () if estimates else ("rows", "dim", "memory_bytes_per_rank")
+        values = {k: d.get(k) if k in optional else _field(d, k, where) for k in _TABLE_FIELDS[1:]}
+        if not isinstance(values["ranks"], list):
+            raise PlanError(f"{where}: field 'ranks' must be a list of ranks, got {values['ranks']!r}")
+        memory = values["memory_bytes_per_rank"]
+        mem = None
+        if memory is not None or estimates:
+            if not isinstance(memory, dict):
+                raise PlanError(f"{where}: field 'memory_bytes_per_rank' must be an object, got {memory!r}")
+            try:
+                mem = {int(r): b for r, b in memory.items()}
+            except ValueError as e:
+                raise PlanError(f"{where}: field 'memory_bytes_per_rank' has a key that is not a rank: {e}") from e
+        return cls(name, values["rows"], values["dim"], values["sharding"], values["ranks"], mem)
 
 
 def parse_json(text: str, source: str, kind: type) -> Any:
@@ -186,7 +212,7 @@ class ShardingPlan:
 
     world_size: int
     topology: Topology
-    batch_size_per_rank: int
+    batch_size_per_rank: int | None  # None: a hand-written plan that does not say
     tables: list[TableSharding]
     cost: dict[str, Any] = field(default_factory=dict)
 
@@ -205,97 +231,168 @@ class ShardingPlan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls, text: str, source: str = "plan") -> ShardingPlan:
+    def from_json(cls, text: str, source: str = "plan", estimates: bool = True,
+                  topology: Topology | None = None) -> ShardingPlan:
         """Parse a plan; ``source`` (e.g. the file name) prefixes every error. Checks the shape only: call
-        :meth:`validate` to check the sharding itself."""
+        :meth:`validate` to check the sharding itself. ``estimates=False`` reads a hand-written plan: the
+        fields the planner derives may be missing (see the module docstring); a missing ``topology`` is
+        ``topology``."""
         d = parse_json(text, source, dict)
-        version = _field(d, "version", source)
+        known = {"version", "world_size", "topology", "batch_size_per_rank", "tables", "cost"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise PlanError(f"{source}: unknown field(s) {unknown} (known: {sorted(known)})")
+        version = _field(d, "version", source) if estimates else d.get("version", PLAN_VERSION)
         if version != PLAN_VERSION:
             raise PlanError(f"{source}: field 'version' is {version!r}, this planner reads version {PLAN_VERSION}")
         tables = _field(d, "tables", source)
         if not isinstance(tables, list):
             raise PlanError(f"{source}: field 'tables' must be a list")
+        world_size = _field(d, "world_size", source)
+        if not _is_int(world_size) or world_size <= 0:
+            raise PlanError(f"{source}: field 'world_size' must be a positive integer, got {world_size!r}")
+        if estimates or "topology" in d or topology is None:
+            topology = Topology.from_dict(_field(d, "topology", source), f"{source}: topology")
         return cls(
-            world_size=_field(d, "world_size", source),
-            topology=Topology.from_dict(_field(d, "topology", source), f"{source}: topology"),
-            batch_size_per_rank=_field(d, "batch_size_per_rank", source),
-            tables=[TableSharding.from_dict(t, f"{source}: tables[{i}]") for i, t in enumerate(tables)],
+            world_size=world_size,
+            topology=topology,
+            batch_size_per_rank=_field(d, "batch_size_per_rank", source) if estimates
+            else d.get("batch_size_per_rank"),
+            tables=[TableSharding.from_dict(t, f"{source}: plan table {i}", estimates) for i, t in enumerate(tables)],
             cost=d.get("cost", {}),
         )
 
-    def validate(self, world_size: int, tables: Sequence[TableSpec] | None = None) -> None:
-        """Raise :class:`PlanError` naming the table and the problem if this plan cannot be executed on
-        ``world_size`` ranks (and, given ``tables``, for exactly those tables)."""
+    def validate(self, world_size: int, tables: Sequence[TableSpec] | None = None, estimates: bool = True) -> None:
+        """Raise :class:`PlanError` naming the table, the field and the problem if this plan cannot be executed
+        on ``world_size`` ranks (and, given ``tables``, for exactly those tables; rows and dims the plan
+        leaves out are theirs). ``estimates=False``: a hand-written plan, which may leave out
+        ``batch_size_per_rank`` and ``memory_bytes_per_rank``; without ``tables`` the checks that need a
+        table's size are skipped where the plan does not give it."""
         if not _is_int(world_size) or world_size <= 0:
             raise PlanError(f"world size must be a positive integer, got {world_size!r}")
         if self.world_size != world_size:
-            raise PlanError(f"plan is for world size {self.world_size}, running with {world_size}")
+            raise PlanError(f"field 'world_size': plan is for world size {self.world_size}, running with "
+                            f"{world_size}")
         if self.topology.world_size != world_size:
-            raise PlanError(f"plan topology has {self.topology.nodes} x {self.topology.devices_per_node} = "
-                            f"{self.topology.world_size} ranks, world size is {world_size}")
-        if not _is_int(self.batch_size_per_rank) or self.batch_size_per_rank <= 0:
-            raise PlanError(f"batch_size_per_rank must be a positive integer, got {self.batch_size_per_rank!r}")
+            raise PlanError(f"field 'topology': plan topology has {self.topology.nodes} x "
+                            f"{self.topology.devices_per_node} = {self.topology.world_size} ranks, world size is "
+                            f"{world_size}")
+        if (estimates or self.batch_size_per_rank is not None) and (
+                not _is_int(self.batch_size_per_rank) or self.batch_size_per_rank <= 0):
+            raise PlanError(f"field 'batch_size_per_rank' must be a positive integer, got "
+                            f"{self.batch_size_per_rank!r}")
         names = [t.name for t in self.tables]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        dupes = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
         if dupes:
             raise PlanError(f"plan lists table(s) {dupes} more than once")
+        specs = {t.name: t for t in tables} if tables is not None else {}
         if tables is not None:
-            specs = {t.name: t for t in tables}
-            for i, t in enumerate(self.tables):
-                spec = specs.get(t.name)
-                if spec is None:
-                    raise PlanError(f"plan table {i} ({t.name!r}): unknown table (known: {sorted(specs)})")
-                if (t.rows, t.dim) != (spec.rows, spec.dim):
-                    raise PlanError(f"plan table {i} ({t.name!r}): {t.rows} x {t.dim} in the plan, the table is "
-                                    f"{spec.rows} x {spec.dim}")
-            missing = [n for n in specs if n not in set(names)]
-            if missing:
-                raise PlanError(f"plan has no entry for table(s) {missing}")
+            self.check_names(list(specs))
         used = [0] * world_size
         for i, t in enumerate(self.tables):
-            _validate_entry(t, f"plan table {i} ({t.name!r})", self.topology)
-            for r, b in t.memory_bytes_per_rank.items():
+            where = f"plan table {i} ({t.name!r})"
+            rows, dim = t.rows, t.dim
+            spec = specs.get(t.name)
+            if spec is not None:
+                for name, value, real in (("rows", rows, spec.rows), ("dim", dim, spec.dim)):
+                    if (value is not None or estimates) and value != real:
+                        raise PlanError(f"{where}: field '{name}' is {value!r} in the plan, the table is "
+                                        f"{spec.rows} x {spec.dim}")
+                rows, dim = spec.rows, spec.dim
+            _validate_entry(t, where, self.topology, rows, dim, estimates)
+            for r, b in (t.memory_bytes_per_rank or {}).items():
                 used[r] += b
         for r, b in enumerate(used):
             if b > self.topology.hbm_bytes:
                 raise PlanError(f"rank {r} holds {format_bytes(b)} ({b:,} bytes) of tables, HBM per rank is "
                                 f"{format_bytes(self.topology.hbm_bytes)}")
 
+    def check_names(self, names: Sequence[str]) -> None:
+        """The plan has one entry for each of ``names`` and none for other tables."""
+        known = set(names)
+        for i, t in enumerate(self.tables):
+            if t.name not in known:
+                raise PlanError(f"plan table {i} ({t.name!r}): unknown table (known: {sorted(known)})")
+        planned = {t.name for t in self.tables}
+        missing = [n for n in names if n not in planned]
+        if missing:
+            raise PlanError(f"plan has no entry for table(s) {missing}")
 
-def _validate_entry(t: TableSharding, where: str, topo: Topology) -> None:
+
+def _validate_entry(t: TableSharding, where: str, topo: Topology, rows: int | None = None, dim: int | None = None,
+                    estimates: bool = True) -> None:
+    """One table's entry; ``rows`` and ``dim`` are the table's (None where neither the plan nor the caller
+    gives them: the checks that need them are skipped)."""
     world = topo.world_size
     if not isinstance(t.name, str) or not t.name:
-        raise PlanError(f"{where}: 'name' must be a non-empty string")
-    if not (_is_int(t.rows) and t.rows > 0 and _is_int(t.dim) and t.dim > 0):
-        raise PlanError(f"{where}: 'rows' and 'dim' must be positive integers, got {t.rows!r} x {t.dim!r}")
+        raise PlanError(f"{where}: field 'name' must be a non-empty string")
+    for name, value in (("rows", rows), ("dim", dim)):
+        if (value is not None or estimates) and not (_is_int(value) and value > 0):  # type: ignore[operator]
+            raise PlanError(f"{where}: field '{name}' must be a positive integer, got {value!r}")
     if t.sharding not in SHARDING_TYPES:
-        raise PlanError(f"{where}: unknown sharding {t.sharding!r} (one of {', '.join(SHARDING_TYPES)})")
+        raise PlanError(f"{where}: field 'sharding': unknown sharding {t.sharding!r} "
+                        f"(one of {', '.join(SHARDING_TYPES)})")
     if not t.ranks or not all(_is_int(r) for r in t.ranks):
-        raise PlanError(f"{where}: 'ranks' must be a non-empty list of integers, got {t.ranks!r}")
+        raise PlanError(f"{where}: field 'ranks' must be a non-empty list of integers, got {t.ranks!r}")
     bad = [r for r in t.ranks if not 0 <= r < world]
     if bad:
-        raise PlanError(f"{where}: rank(s) {bad} out of range 0..{world - 1}")
+        raise PlanError(f"{where}: field 'ranks': rank(s) {bad} out of range 0..{world - 1}")
     if len(set(t.ranks)) != len(t.ranks):
-        raise PlanError(f"{where}: a rank appears twice in {t.ranks}; each shard needs its own rank")
+        raise PlanError(f"{where}: field 'ranks': a rank appears twice in {t.ranks}; each shard needs its own rank")
     k = len(t.ranks)
     if t.sharding == "data_parallel" and t.ranks != list(range(world)):
-        raise PlanError(f"{where}: data_parallel must list every rank 0..{world - 1} in order, got {t.ranks}")
+        raise PlanError(f"{where}: field 'ranks': data_parallel must list every rank 0..{world - 1} in order, "
+                        f"got {t.ranks}")
     if t.sharding == "table_wise" and k != 1:
-        raise PlanError(f"{where}: table_wise takes exactly one rank, got {t.ranks}")
-    if t.sharding == "column_wise" and t.dim % k:
-        raise PlanError(f"{where}: column_wise over {k} ranks needs dim divisible by {k}, dim is {t.dim}")
-    if t.sharding in ("row_wise", "table_row_wise"):
-        empty = [i for i, (lo, hi) in enumerate(row_blocks(t.rows, k)) if hi <= lo]
+        raise PlanError(f"{where}: field 'ranks': table_wise takes exactly one rank, got {t.ranks}")
+    if dim is not None and t.sharding == "column_wise" and dim % k:
+        raise PlanError(f"{where}: field 'ranks': column_wise over {k} ranks needs dim divisible by {k}, "
+                        f"dim is {dim}")
+    if estimates and rows is not None and t.sharding in ("row_wise", "table_row_wise"):
+        # The planner never leaves a row block empty; a hand-written plan may (that rank holds no rows).
+        empty = [i for i, (lo, hi) in enumerate(row_blocks(rows, k)) if hi <= lo]
         if empty:
-            raise PlanError(f"{where}: {t.rows} rows in blocks of {math.ceil(t.rows / k)} over {k} ranks leave "
-                            f"shard(s) {empty} empty; use fewer ranks")
+            raise PlanError(f"{where}: field 'ranks': {rows} rows in blocks of {math.ceil(rows / k)} over {k} "
+                            f"ranks leave shard(s) {empty} empty; use fewer ranks")
     if t.sharding == "table_row_wise":
         nodes = sorted({topo.node_of(r) for r in t.ranks})
         if len(nodes) != 1:
-            raise PlanError(f"{where}: table_row_wise ranks {t.ranks} span nodes {nodes} "
+            raise PlanError(f"{where}: field 'ranks': table_row_wise ranks {t.ranks} span nodes {nodes} "
                             f"({topo.devices_per_node} ranks per node); they must share one node")
+    if t.memory_bytes_per_rank is None:
+        if estimates:
+            raise PlanError(f"{where}: missing field 'memory_bytes_per_rank'")
+        return
     if not all(_is_int(b) and b >= 0 for b in t.memory_bytes_per_rank.values()):
-        raise PlanError(f"{where}: 'memory_bytes_per_rank' values must be non-negative integers")
+        raise PlanError(f"{where}: field 'memory_bytes_per_rank' values must be non-negative integers")
     if set(t.memory_bytes_per_rank) != set(t.ranks):
-        raise PlanError(f"{where}: 'memory_bytes_per_rank' names ranks {sorted(t.memory_bytes_per_rank)}, "
+        raise PlanError(f"{where}: field 'memory_bytes_per_rank' names ranks {sorted(t.memory_bytes_per_rank)}, "
                         f"the table is on ranks {sorted(t.ranks)}")
+
+
+@contextmanager
+def _prefixed(source: str) -> Iterator[None]:
+    """Re-raise a :class:`PlanError` with ``source`` (the plan file) in front."""
+    try:
+        yield
+    except PlanError as e:
+        raise PlanError(f"{source}: {e}") from e
+
+
+class PlanPlacements(list):
+    """``(sharding, ranks)`` per table, in the model's table order, from a plan file (``dist.plan``),
+    validated as far as the table names allow. The sharded collection calls :meth:`check` with the tables'
+    sizes before its first collective, so every rank rejects a plan that does not fit the model alike."""
+
+    def __init__(self, plan: ShardingPlan, names: Sequence[str], world_size: int, source: str) -> None:
+        self.plan, self.world_size, self.source = plan, world_size, source
+        with _prefixed(source):
+            plan.validate(world_size, estimates=False)
+            plan.check_names(names)
+        super().__init__((plan.table(n).sharding, list(plan.table(n).ranks)) for n in names)
+
+    def check(self, tables: Sequence[TableSpec]) -> None:
+        """Raise :class:`PlanError` (naming the plan file, the table and the field) unless the plan fits
+        tables of these sizes: rows and dim where the plan gives them, shard counts that split them."""
+        with _prefixed(self.source):
+            self.plan.validate(self.world_size, tables, estimates=False)
