@@ -49,6 +49,7 @@ def run_arm(data: Path, overrides: list[str], seed: int, threads: int) -> dict[s
     cfg = load_config(ROOT / "configs" / "demo.toml", [
         f'data.train="{data}"', f"train.seed={seed}", "train.progress=false", "train.eval_every=0",
         "train.checkpoint_every=0", f"train.threads={threads}", *overrides])
+    cfg.data.synth = {}  # the data generated here, not the demo's own [data.synth]
     trainer = Trainer(cfg, None)
     rows = sum(t.num_embeddings for t in trainer.model.embeddings.tables)
     t0 = time.perf_counter()

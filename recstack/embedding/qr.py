@@ -122,7 +122,7 @@ class QRSplit:
                                                                             device=pooled.device)
         index = torch.full((f,), len(self.split_features), dtype=torch.int64, device=pooled.device)
         index[list(self.split_features)] = torch.arange(len(self.split_features), device=pooled.device)
-        partner = torch.cat([remainder, identity], dim=1)[:, index]  # [B, F, D]
+        partner = torch.index_select(torch.cat([remainder, identity], dim=1), 1, index)  # [B, F, D]
         return quotient * partner if self.operation == "mult" else quotient + partner
 
     def rows(self) -> tuple[int, int]:
