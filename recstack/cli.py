@@ -14,13 +14,17 @@ from recstack.data.commands import add_inspect_parser, add_schema_prepare_argume
 
 def _cmd_eval(args: argparse.Namespace) -> None:
     from recstack.data.format import PreparedDataset
-    from recstack.inference import evaluate, load_model
+    from recstack.inference import evaluate, evaluation_rows, load_model
 
     cfg, model = load_model(args.checkpoint)
-    data = args.data or cfg.data.eval or cfg.data.train
-    if not data:
-        raise SystemExit("eval: no data set given (--data DIR)")
-    print(json.dumps(evaluate(cfg, model, PreparedDataset(data), args.batch_size), indent=2))
+    if args.data:
+        data = PreparedDataset(args.data)
+        rows, what = (0, len(data)), f"{data.path}: all {len(data)} rows (--data)"
+    else:  # the rows the run evaluated on, never the ones it trained on
+        data, rows, what = evaluation_rows(cfg, args.checkpoint)
+    print(f"evaluating {what}", file=sys.stderr)
+    result = evaluate(cfg, model, data, args.batch_size, rows)
+    print(json.dumps({**result, "data": str(data.path), "rows": list(rows)}, indent=2))
 
 
 def _cmd_predict(args: argparse.Namespace) -> None:
@@ -111,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func in (("eval", _cmd_eval), ("predict", _cmd_predict)):
         e = sub.add_parser(name, help=f"{name} with a trained checkpoint")
         e.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
-        e.add_argument("--data", required=name == "predict", help="prepared data directory")
+        e.add_argument("--data", required=name == "predict",
+                       help="prepared data directory" + ("" if name == "predict" else " (default: the rows the "
+                             "run evaluated on: data.eval, else the held-out tail of its training set)"))
         e.add_argument("--batch-size", type=int, default=16384)
         if name == "predict":
             e.add_argument("--out", required=True, help="scores file: .npy (probabilities) or .csv")

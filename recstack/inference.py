@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from recstack.checkpoint import latest_checkpoint, load_checkpoint
+from recstack.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint
 from recstack.config import Config, config_from_dict
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
@@ -18,9 +20,11 @@ from recstack.models.dlrm import DLRM
 
 
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tuple[Config, DLRM]:
-    """A checkpoint file, or a run/checkpoint directory (its newest valid checkpoint) -> (config, model)."""
+    """A checkpoint (a ``ckpt_<step>.pt`` file, or a ``ckpt_<step>/`` directory of cached-tier tables), or a
+    run or checkpoints directory (its newest valid checkpoint) -> (config, model). Notes such as the embedding
+    placement go to stderr, so that stdout carries only the caller's results."""
     path = Path(checkpoint)
-    if path.is_dir():
+    if path.is_dir() and not (path / STATE_FILE).is_file():
         ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         state = latest_checkpoint(ckpt_dir, device)
         if state is None:
@@ -28,13 +32,51 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
     else:
         state = load_checkpoint(path, device)
     cfg = config_from_dict(state["config"])
-    model = build_model(cfg, state["num_dense"], state["table_sizes"], device, state.get("table_names"))
+    with contextlib.redirect_stdout(sys.stderr):
+        model = build_model(cfg, state["num_dense"], state["table_sizes"], device, state.get("table_names"))
     model.load_state_dict(state["model"])
     restore = getattr(model.embeddings, "restore_files", None)
     if restore is not None:  # cached embedding tiers: their rows are files beside the checkpoint's state
         restore(state.get("checkpoint_dir"))
     model.eval()
     return cfg, model
+
+
+def run_directory(checkpoint: str | Path) -> Path | None:
+    """The training run's output directory of a checkpoint path (the run directory itself, its
+    ``checkpoints/``, or a checkpoint in there); None when the path is elsewhere."""
+    path = Path(checkpoint).resolve()
+    if (path / "checkpoints").is_dir():
+        return path
+    for p in (path, *path.parents):
+        if p.name == "checkpoints":
+            return p.parent
+    return None
+
+
+def evaluation_rows(cfg: Config, checkpoint: str | Path) -> tuple[PreparedDataset, tuple[int, int], str]:
+    """The rows the training run evaluated on -> (data set, row range, what they are): ``data.eval`` when it
+    was set, else the held-out tail of the training set that the run did not train on (``data.eval_fraction``).
+    A ``[data.synth]`` set without ``data.train`` is found in the run directory."""
+    from recstack.trainer import held_out_rows
+
+    d = cfg.data
+    if d.eval:
+        ev = PreparedDataset(d.eval)
+        return ev, (0, len(ev)), f"data.eval {ev.path}: all {len(ev)} rows"
+    train = d.train
+    if not train and d.synth:
+        run = run_directory(checkpoint)
+        train = str(run / "data") if run is not None else ""
+    if not train:
+        raise ValueError("no data set to evaluate: the run's config names none here (pass --data DIR)")
+    ds = PreparedDataset(train)
+    lo, hi = held_out_rows(len(ds), d.eval_fraction)
+    if hi <= lo:
+        raise ValueError(f"the run trained on all of {ds.path} (data.eval_fraction={d.eval_fraction:g} holds no "
+                         "row), so it has no held-out rows: pass --data DIR")
+    return ds, (lo, hi), (f"{ds.path}: rows {lo}..{hi - 1}, the last data.eval_fraction={d.eval_fraction:g} of the "
+                          "training set, which the run held out of training")
 
 
 def check_data(cfg: Config, model: DLRM, data: PreparedDataset) -> None:
@@ -68,19 +110,23 @@ def check_data(cfg: Config, model: DLRM, data: PreparedDataset) -> None:
             )
 
 
-def _loader(cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int) -> BatchLoader:
+def _loader(
+    cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int, rows: tuple[int, int] | None = None
+) -> BatchLoader:
     check_data(cfg, model, data)
     caps = model.feature_rows() if cfg.model.max_table_size > 0 else None
-    return BatchLoader(data, batch_size, drop_last=False, table_caps=caps)
+    return BatchLoader(data, batch_size, rows, drop_last=False, table_caps=caps)
 
 
 @torch.no_grad()
 def predict_logits(
-    cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int = 16384, progress: bool = True
+    cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int = 16384, progress: bool = True,
+    rows: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """-> (logits [N] float32, labels [N] float32) over every row of ``data``, in row order."""
+    """-> (logits [N] float32, labels [N] float32) over the rows [lo, hi) of ``data`` (default: all), in row
+    order."""
     device = next(model.parameters()).device
-    loader = _loader(cfg, model, data, batch_size)
+    loader = _loader(cfg, model, data, batch_size, rows)
     logits, labels = [], []
     for batch in tqdm(loader.iterate_epoch(), total=len(loader), disable=not progress, unit="batch"):
         batch = batch.to(device)
@@ -91,8 +137,10 @@ def predict_logits(
     return torch.cat(logits).numpy(), torch.cat(labels).numpy()
 
 
-def evaluate(cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int = 16384) -> dict[str, float]:
-    logits, labels = predict_logits(cfg, model, data, batch_size)
+def evaluate(
+    cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int = 16384, rows: tuple[int, int] | None = None
+) -> dict[str, float]:
+    logits, labels = predict_logits(cfg, model, data, batch_size, rows=rows)
     m = BinaryMetrics()
     m.update(torch.from_numpy(logits), torch.from_numpy(labels))
     return m.compute()

@@ -8,6 +8,10 @@ The file is flushed after every line so a crashed or still-running job leaves a 
 ``recstack.plots`` can draw it live). Non-finite values (an AUC of NaN on a one-class slice, say) are written
 as ``null`` because JSON has no NaN. The same values go to TensorBoard as ``<kind>/<key>`` scalars under
 ``<output_dir>/tb``.
+
+A resumed run opens the logger with ``resume_step``: the file is first rewritten (a temporary file renamed over
+it) to hold only the complete records up to that step, which the checkpoint it resumes from has seen, and
+TensorBoard hides the events after it, so the steps a killed run logged past its checkpoint are not repeated.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,22 +50,30 @@ class MetricsLogger:
         output_dir: run directory; created if missing. ``metrics.jsonl`` is appended to, so a resumed run
             continues the same file.
         tensorboard: also write TensorBoard event files to ``output_dir / "tb"``.
+        resume_step: the step a resumed run continues from. Records after it (logged by the run that was
+            stopped, after its checkpoint) and an incomplete last line are dropped first; TensorBoard hides
+            the events after it.
     """
 
-    def __init__(self, output_dir: Path | str | None, tensorboard: bool = True) -> None:
+    def __init__(self, output_dir: Path | str | None, tensorboard: bool = True,
+                 resume_step: int | None = None) -> None:
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self._file = None
         self._writer = None
         self._closed = False
+        self.kept: list[dict[str, Any]] = []  # with resume_step: the records kept from before the resume
         if self.output_dir is None:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            self.kept = truncate_jsonl(self.output_dir / METRICS_FILE, resume_step)
         self._file = open(self.output_dir / METRICS_FILE, "a", encoding="utf-8")  # closed in close()
         if tensorboard:
             # Imported here: tensorboard is slow to import and unneeded when the logger is disabled.
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.output_dir / TB_DIR))
+            purge = None if resume_step is None else int(resume_step) + 1  # events from here on are hidden
+            self._writer = SummaryWriter(log_dir=str(self.output_dir / TB_DIR), purge_step=purge)
 
     @property
     def path(self) -> Path | None:
@@ -130,3 +143,32 @@ def read_jsonl(path: Path | str) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
         records.append(record)
     return records
+
+
+def truncate_jsonl(path: Path | str, step: int) -> list[dict[str, Any]]:
+    """Rewrite a metrics JSONL file to hold only its complete records with ``step <= step`` -> those records.
+
+    Lines that do not parse as a record (an incomplete last line of a killed writer, or one that a later
+    append ran into) are dropped. The new file is written beside the old one, fsynced and renamed over it, so
+    a crash here leaves one or the other. A missing file stays missing.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return []
+    kept: list[dict[str, Any]] = []
+    lines: list[str] = []
+    for line in path.read_text(encoding="utf-8", errors="replace").split("\n"):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(record)
+            lines.append(line.strip() + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return kept

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from recstack.checkpoint import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from recstack.checkpoint import latest_checkpoint, list_checkpoints, rng_state, save_checkpoint, set_rng_state
 from recstack.compression.runtime import CompressionRuntime
-from recstack.config import Config
+from recstack.config import Config, ConfigError
 from recstack.data.batch import Batch
 from recstack.data.format import PreparedDataset, layout_difference
 from recstack.data.loader import BatchLoader, LoaderPosition
@@ -87,8 +87,13 @@ def prepare_data(cfg: Config, output_dir: Path | None) -> tuple[PreparedDataset,
                 "mean the same rows"
             )
         return train, ev, (0, len(ev))
-    n_eval = int(len(train) * d.eval_fraction)
-    return train, train, (len(train) - n_eval, len(train))
+    return train, train, held_out_rows(len(train), d.eval_fraction)
+
+
+def held_out_rows(rows: int, eval_fraction: float) -> tuple[int, int]:
+    """The evaluation rows of a training set without ``data.eval``: its last ``int(rows * eval_fraction)``."""
+    n_eval = int(rows * eval_fraction)
+    return rows - n_eval, rows
 
 
 def _synthesize(cfg: Config, path: Path) -> None:
@@ -188,12 +193,14 @@ class Trainer:
         self.target_step: int | None = None  # the step whose evaluation reached train.target_auc
         self.samples = 0
         self.train_seconds = 0.0
-        self.logger = MetricsLogger(self.output_dir if self.is_main else None)
         self.ckpt_dir = self.output_dir / "checkpoints" if self.output_dir else None
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             resume = True  # torchrun --max-restarts started us again after a failure: continue, do not redo
         if resume:
             self._resume()
+        # A resumed run drops what the stopped run logged after its checkpoint (it is about to be redone).
+        self.logger = MetricsLogger(self.output_dir if self.is_main else None,
+                                    resume_step=self.step if resume else None)
 
     def _parallelize(self) -> None:
         """Shard the tables by the plan (or ``dist.sharding``) and wrap the dense part in DDP."""
@@ -218,7 +225,8 @@ class Trainer:
         state = {
             "model": model_state,
             "dense_optimizer": self.optimizer.state_dict(),
-            "position": {"epoch": pos.epoch, "batch": pos.batch},
+            "position": {"epoch": pos.epoch, "batch": pos.batch,
+                         "global_batch_size": self.train_loader.global_batch_size},
             "samples": self.samples,
             "target_step": self.target_step,
             "train_seconds": self.train_seconds,
@@ -239,31 +247,115 @@ class Trainer:
         return {"compression": self.compression.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=self.world == 1)
-        if unexpected or any(not k.startswith("embeddings.") for k in missing):
-            raise RuntimeError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
-        restore = getattr(self.model.embeddings, "restore_files", None)
-        if restore is not None:  # cached embedding tiers: their rows are files beside the checkpoint's state
-            restore(state.get("checkpoint_dir"))
+        where = state.get("path", "the checkpoint")
+        tables = self._convert_embedding_layout(state)
+        try:
+            missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        except RuntimeError as e:  # shapes differ
+            raise ConfigError(f"resume: {where} does not match the model: {e}") from e
+        if self.world > 1:  # the sharded tables came from DCP
+            missing = [k for k in missing if not k.startswith("embeddings.")]
+        if unexpected or missing:
+            raise ConfigError(f"resume: {where} does not match the model (was it trained with another [model] or "
+                              f"optim.sparse?): missing {missing}, unexpected {unexpected}")
+        emb = self.model.embeddings
+        if tables is not None:  # an all-in-memory checkpoint's tables, into cached tiers
+            emb.restore_tensors(*tables)
+        elif hasattr(emb, "restore_files"):  # cached embedding tiers: their rows are files beside the state
+            emb.restore_files(state.get("checkpoint_dir"))
         self.optimizer.load_state_dict(state["dense_optimizer"])
-        self.train_loader.position = LoaderPosition(**state["position"])
+        self.train_loader.position = self._saved_position(state)
         self.step = int(state["step"])
         self.samples = int(state["samples"])
         self.target_step = state.get("target_step")  # a run that reached train.target_auc stays finished
         self.train_seconds = float(state["train_seconds"])
         set_rng_state(state["rng"])
         self.compression.load_state_dict(state.get("compression"), state.get("world_size"), self.device)
+        if not self.cfg.train.max_steps:  # train.epochs: the epochs left, in batches of the size used now
+            pos, per_epoch = self.train_loader.position, len(self.train_loader)
+            left = self.cfg.train.epochs * per_epoch - (pos.epoch * per_epoch + pos.batch)
+            self.total_steps = self.step + max(0, left)
+
+    def _saved_position(self, state: dict[str, Any]) -> LoaderPosition:
+        """The checkpoint's data position for this run's global batch (train.batch_size x processes), which
+        may differ from the one the checkpoint was written with."""
+        pos = state["position"]
+        saved = LoaderPosition(int(pos["epoch"]), int(pos["batch"]))
+        old = pos.get("global_batch_size")  # absent in older checkpoints: their batch size x world size
+        if old is None:
+            old = int(state["config"]["train"]["batch_size"]) * int(state.get("world_size") or 1)
+        new = self.train_loader.global_batch_size
+        try:
+            moved = saved.rebatched(int(old), new, self.train_loader.end - self.train_loader.start,
+                                    self.cfg.train.shuffle)
+        except ValueError as e:
+            was = f"{old // int(state.get('world_size') or 1)} x {state.get('world_size') or 1} processes"
+            raise ConfigError(
+                f"resume: {state.get('path', 'the checkpoint')}: {e}. Resume with the global batch it was written "
+                f"with (train.batch_size x processes = {was}), or change it at an epoch boundary"
+            ) from e
+        if old != new and self.is_main:
+            print(f"resume: global batch of {old} rows now {new}: the {saved.batch * old} rows done in epoch "
+                  f"{saved.epoch} continue at epoch {moved.epoch}, batch {moved.batch}")
+        return moved
+
+    def _convert_embedding_layout(self, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A single-process checkpoint of the other embedding layout (the memory budgets of this run put every
+        table in memory where the checkpoint's had cached tiers, or the reverse): all-in-memory tables are
+        filled from the checkpoint's table files here, in ``state``; cached tiers get (weight, accumulator)
+        back, to load once the rest of the state is in."""
+        if self.world > 1:
+            return None
+        model_state = state["model"]
+        emb = self.model.embeddings
+        tiered_ckpt = "embeddings._extra_state" in model_state
+        if tiered_ckpt == hasattr(emb, "restore_files"):
+            return None
+        from recstack.embedding.tiered_files import read_table_files
+
+        if tiered_ckpt:
+            extra = model_state.pop("embeddings._extra_state")
+            want = [{"name": t.name, "rows": t.num_embeddings, "dim": t.embedding_dim} for t in emb.tables]
+            have = [{k: t.get(k) for k in ("name", "rows", "dim")} for t in extra.get("tables", [])]
+            if have != want:
+                raise ConfigError(f"resume: {state.get('path')}: checkpoint tables {have} do not match this model's "
+                                  f"{want}")
+            weight, acc = read_table_files(state.get("checkpoint_dir"), extra)
+            model_state["embeddings.weight"] = weight.to(self.device)
+            if acc is not None:
+                model_state["embeddings.accumulator"] = acc.to(self.device)
+            return None
+        if "embeddings.weight" not in model_state:
+            return None  # not a checkpoint of this model: load_state_dict says what is missing
+        weight = model_state.pop("embeddings.weight")
+        acc = model_state.pop("embeddings.accumulator", None)
+        model_state["embeddings._extra_state"] = emb.get_extra_state()
+        return weight, acc
 
     def _resume(self) -> None:
-        if self.world > 1:
-            from recstack.distributed.checkpoint import list_sharded, load_sharded
+        from recstack.distributed.checkpoint import list_sharded, load_sharded
 
-            found = list_sharded(self.ckpt_dir) if self.ckpt_dir else []
-            state = load_sharded(found[-1], self.model.embeddings, self.device) if found else None
+        sharded = list_sharded(self.ckpt_dir) if self.ckpt_dir else []  # step_<step>/, written under torchrun
+        single = list_checkpoints(self.ckpt_dir) if self.ckpt_dir else []  # ckpt_<step>[.pt], by one process
+        if self.world > 1:
+            if single and (not sharded or _step_of(single[-1]) > _step_of(sharded[-1])):
+                raise ConfigError(
+                    f"resume: the newest checkpoint in {self.ckpt_dir} is {single[-1].name}, written by a single "
+                    f"process (step {_step_of(single[-1])}); a torchrun run resumes from sharded checkpoints "
+                    "(step_<step>/) only. Resume it with one process (recstack train --resume), or train into "
+                    "another --output-dir"
+                )
+            state = load_sharded(sharded[-1], self.model.embeddings, self.device) if sharded else None
             if state is not None:
-                state["path"] = str(found[-1])
+                state["path"] = str(sharded[-1])
         else:
             state = latest_checkpoint(self.ckpt_dir, self.device) if self.ckpt_dir else None
+            if sharded and (state is None or _step_of(sharded[-1]) > int(state["step"])):
+                raise ConfigError(
+                    f"resume: the newest checkpoint in {self.ckpt_dir} is {sharded[-1].name}, a sharded checkpoint "
+                    f"written under torchrun (step {_step_of(sharded[-1])}); a single process resumes from its own "
+                    "checkpoints (ckpt_<step>.pt) only. Resume it under torchrun, or train into another --output-dir"
+                )
         if state is None:
             print("resume: no checkpoint found, starting from scratch")
             return
@@ -360,7 +452,12 @@ class Trainer:
             final = reached
         elif self.has_eval:
             final = self.evaluate()
-            self.logger.log(self.step, "eval", final)
+            if not any(r["step"] == self.step and r["kind"] == "eval" for r in self.logger.kept):
+                self.logger.log(self.step, "eval", final)  # (a finished run resumed has it already)
+            if t.target_auc and self.target_step is None and final["auc"] >= t.target_auc:
+                self.target_step = self.step  # reached at the last evaluation
+                if self.is_main:
+                    print(f"reached train.target_auc={t.target_auc:g} at step {self.step} ({self.samples} samples)")
         else:
             final = {}  # no evaluation rows: no metrics
         self.save()
@@ -422,6 +519,11 @@ class Trainer:
                 plot_comm_breakdown(self.output_dir / "metrics.jsonl", self.output_dir / "comm_breakdown.png",
                                     pipelined=self.cfg.dist.pipeline)
         return out
+
+
+def _step_of(checkpoint: Path) -> int:
+    """ckpt_<step>.pt, ckpt_<step>/ or step_<step>/ -> step."""
+    return int(checkpoint.name.split("_")[1].split(".")[0])
 
 
 def _route(embeddings: torch.nn.Module, batch: Batch) -> Batch:

@@ -38,3 +38,27 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "criteo_kaggle_sample.tsv").is_file():
         pytest.skip(f"real Criteo samples not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+class StoppedRun(Exception):
+    """Raised in place of a training step: the run stops between two steps, as a killed one does."""
+
+
+def _stop_at(trainer, step: int) -> None:
+    """Train ``trainer`` until ``step`` steps are done, then stop it between two steps."""
+    train_step = trainer.train_step
+
+    def step_or_stop(batch):
+        if trainer.step == step:
+            raise StoppedRun
+        return train_step(batch)
+
+    trainer.train_step = step_or_stop
+    with pytest.raises(StoppedRun):
+        trainer.train()
+
+
+@pytest.fixture
+def stop_at():
+    """``stop_at(trainer, step)``: train until ``step`` steps are done, then stop between two steps."""
+    return _stop_at

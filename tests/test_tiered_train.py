@@ -179,3 +179,48 @@ def test_fused_and_tiered_checkpoints_do_not_mix(tmp_path: Path) -> None:
     tiered = _collection(TablePlacement("host-cached", 32), tmp_path)
     with pytest.raises(RuntimeError, match="_extra_state"):
         tiered.load_state_dict(fused.state_dict())
+
+
+def _stopped_run(data: Path, out: Path, extra: list[str], step: int, stop_at) -> None:
+    """Train until ``step`` steps are done, then stop between two steps (as a killed run does)."""
+    t = Trainer(load_config(None, [f'data.train="{data}"', *SMALL, *extra]), out)
+    stop_at(t, step)
+    close = getattr(t.model.embeddings, "close", None)
+    if close is not None:
+        close()
+
+
+def test_resume_across_memory_layouts_matches_uninterrupted(tiny_dataset: Path, tmp_path: Path, stop_at) -> None:
+    """Budgets under which every table fits build the all-in-memory collection (a ckpt_<step>.pt), tighter
+    ones cached tiers (a ckpt_<step>/ of table files): a run resumes from either under the other."""
+    extra = ["train.max_steps=100", "train.checkpoint_every=40", "train.eval_every=30", "train.shuffle=true"]
+    tight = [*MIXED, f'memory.ssd_dir="{tmp_path / "ssd"}"']
+    roomy = ['memory.device="1MB"']
+    ref = _train(tiny_dataset, None, extra)
+    for first, then in ((tight, roomy), (roomy, tight)):
+        out = tmp_path / f"run{len(first)}"
+        _stopped_run(tiny_dataset, out, [*extra, *first], 60, stop_at)
+        (ckpt,) = [p for p in list_checkpoints(out / "checkpoints") if p.name.startswith("ckpt_000000040")]
+        assert ckpt.is_dir() == (first is tight)
+        cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, *extra, *then])
+        t = Trainer(cfg, out, resume=True)
+        assert t.step == 40 and hasattr(t.model.embeddings, "restore_files") == (then is tight)
+        run = t.train()
+        assert {k: ref[k] for k in METRICS} == {k: run[k] for k in METRICS}, (first, then)
+
+
+def test_eval_and_predict_take_a_checkpoint_directory(tiny_dataset: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """A tiered run's checkpoint is a directory; eval prints only JSON on stdout (the placement to stderr)."""
+    from recstack.cli import main
+
+    s = _train(tiny_dataset, tmp_path / "run", ["train.max_steps=30", *MIXED, f'memory.ssd_dir="{tmp_path / "ssd"}"'])
+    (ckpt,) = list_checkpoints(tmp_path / "run" / "checkpoints")
+    capsys.readouterr()
+    for where in (ckpt, tmp_path / "run"):
+        assert main(["eval", "--checkpoint", str(where)]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["auc"] == pytest.approx(s["auc"], abs=1e-9)
+        assert "embedding placement" in err and "host-cached" in err
+    assert main(["predict", "--checkpoint", str(ckpt), "--data", str(tiny_dataset),
+                 "--out", str(tmp_path / "p.npy")]) == 0

@@ -17,6 +17,7 @@ import pytest
 from recstack.checkpoint import list_checkpoints
 from recstack.cli import main
 from recstack.config import ConfigError, load_config
+from recstack.data.loader import LoaderPosition
 from recstack.trainer import Trainer
 
 SMALL = [
@@ -247,3 +248,97 @@ def test_configs_in_repo_load() -> None:
     for path in Path(__file__).resolve().parents[1].joinpath("configs").glob("*.toml"):
         if not path.name.startswith("exfm_"):  # `recstack exfm run` configs have their own schema
             load_config(path)
+
+
+def _records(path: Path) -> list[tuple]:
+    """(step, kind, loss, auc) of every record of a metrics file: what a resumed run must reproduce."""
+    return [(r["step"], r["kind"], r.get("loss"), r.get("auc")) for r in
+            (json.loads(x) for x in path.read_text().splitlines())]
+
+
+def test_resume_continues_metrics_from_the_checkpoint(tiny_dataset: Path, tmp_path: Path, stop_at) -> None:
+    """A run stopped after its checkpoint had logged steps past it, the last line torn: the resumed run's
+    metrics.jsonl and TensorBoard scalars are those of an uninterrupted run, each step once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    extra = ["train.max_steps=100", "train.checkpoint_every=40", "train.eval_every=30", "train.log_every=10"]
+    cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, *extra])
+    Trainer(cfg, tmp_path / "ref").train()
+    stop_at(Trainer(cfg, tmp_path / "run"), 75)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert max(s for s, *_ in _records(metrics)) == 70  # logged after the checkpoint at 40
+    with open(metrics, "r+b") as f:  # a line cut short by the kill
+        f.truncate(f.seek(0, os.SEEK_END) - 20)
+    assert main(["train", "--resume", "--output-dir", str(tmp_path / "run"), "--set", f'data.train="{tiny_dataset}"',
+                 *sum((["--set", o] for o in [*SMALL, *extra]), [])]) == 0
+    assert _records(metrics) == _records(tmp_path / "ref" / "metrics.jsonl")
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(10, 101, 10))
+    assert [e.step for e in acc.Scalars("eval/auc")] == [30, 60, 90, 100]
+
+
+def test_target_auc_reached_at_the_final_evaluation(tiny_dataset: Path, tmp_path: Path) -> None:
+    common = ["train.max_steps=60", "train.eval_every=1000"]  # evaluated once: after the last step
+    free = _train(tiny_dataset, None, common)
+    s = _train(tiny_dataset, tmp_path, [*common, f"train.target_auc={free['auc']!r}"])
+    assert s["target_reached_step"] == s["steps"] == 60 and s["auc"] == free["auc"]
+    assert json.loads((tmp_path / "summary.json").read_text())["target_reached_step"] == 60
+    evals = [r for r in _records(tmp_path / "metrics.jsonl") if r[1] == "eval"]
+    assert [r[0] for r in evals] == [60]
+    short = _train(tiny_dataset, None, [*common, f"train.target_auc={free['auc'] + 1e-6!r}"])
+    assert short["target_reached_step"] is None
+
+
+def test_eval_without_data_scores_the_rows_the_run_evaluated(tiny_dataset: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    """Not the rows it trained on: the held-out tail (data.eval_fraction), or data.eval when it was set."""
+    s = _train(tiny_dataset, tmp_path / "tail", ["train.max_steps=30"])
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "tail")]) == 0
+    out, err = capsys.readouterr()
+    evaluated = json.loads(out)
+    assert evaluated["rows"] == [18000, 20000] and evaluated["num_examples"] == 2000 == s["eval_examples"]
+    assert evaluated["auc"] == pytest.approx(s["auc"], abs=1e-9)
+    assert "rows 18000..19999" in err and "eval_fraction=0.1" in err
+    s = _train(tiny_dataset, tmp_path / "sep", ["train.max_steps=30", f'data.eval="{tiny_dataset}"'])
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "sep")]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["rows"] == [0, 20000] and evaluated["auc"] == pytest.approx(s["auc"], abs=1e-9)
+
+
+def test_resume_with_another_batch_size_continues_at_the_same_row(tiny_dataset: Path, tmp_path: Path,
+                                                                  stop_at) -> None:
+    """The position is kept in rows: 100 batches of 64 done -> the next batch of 128 starts at row 6400, and
+    train.epochs still ends after one pass over the training rows."""
+    from recstack.data.format import PreparedDataset
+
+    data = [f'data.train="{tiny_dataset}"', *SMALL, "train.epochs=1", "train.checkpoint_every=50"]
+    stop_at(Trainer(load_config(None, data), tmp_path), 100)
+    wider = [*data, "train.batch_size=128"]
+    for bad, match in ((["train.shuffle=true"], "another permutation"),
+                       (["train.batch_size=96"], "6400 rows done in epoch 0 are not a whole number of batches of 96")):
+        with pytest.raises(ConfigError, match=match):
+            Trainer(load_config(None, [*wider, *bad]), tmp_path, resume=True)
+    t = Trainer(load_config(None, wider), tmp_path, resume=True)
+    assert (t.step, t.train_loader.position.batch, t.total_steps) == (100, 50, 100 + 140 - 50)
+    first: list = []
+    train_step = t.train_step
+
+    def record(batch):
+        first.append(batch.labels.clone()) if not first else None
+        return train_step(batch)
+
+    t.train_step = record
+    s = t.train()
+    labels = np.asarray(PreparedDataset(tiny_dataset).column("labels")[6400:6528])
+    assert np.array_equal(first[0].numpy(), labels)
+    assert s["train_samples"] == 100 * 64 + 90 * 128 and s["steps"] == 190
+
+    # A finished epoch carries over under shuffle too: the next one starts with batches of the new size.
+    shuffled = [f'data.train="{tiny_dataset}"', *SMALL, "train.epochs=1", "train.shuffle=true"]
+    Trainer(load_config(None, shuffled), tmp_path / "epoch").train()
+    t = Trainer(load_config(None, [*shuffled, "train.epochs=2", "train.batch_size=128"]), tmp_path / "epoch",
+                resume=True)
+    assert (t.step, t.train_loader.position, t.total_steps) == (281, LoaderPosition(1, 0), 281 + 140)

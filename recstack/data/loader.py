@@ -27,6 +27,32 @@ class LoaderPosition:
     epoch: int = 0
     batch: int = 0
 
+    def rebatched(self, old_batch: int, new_batch: int, epoch_rows: int, shuffle: bool) -> LoaderPosition:
+        """The same place in the data for global batches of ``new_batch`` rows instead of ``old_batch``
+        (another world size or batch size), in an epoch of ``epoch_rows`` rows (whole batches only):
+        ``batch * old_batch`` rows of the epoch are done, which must be a whole number of new batches. With
+        ``shuffle`` the batches an epoch permutes change with their size, so only a position at the start (or
+        end) of an epoch carries over. Raises ValueError when there is no such position."""
+        if old_batch == new_batch or self.batch == 0:
+            return LoaderPosition(self.epoch, self.batch)
+        if self.batch >= epoch_rows // old_batch:  # the epoch is done (saved before the loader moved on)
+            return LoaderPosition(self.epoch + 1, 0)
+        rows = self.batch * old_batch
+        if shuffle:
+            raise ValueError(
+                f"the global batch changed from {old_batch} to {new_batch} rows in the middle of epoch {self.epoch} "
+                f"({self.batch} shuffled batches done): shuffled batches of another size are another permutation, "
+                "so the rows still due in this epoch are unknown"
+            )
+        if rows % new_batch:
+            raise ValueError(
+                f"the global batch changed from {old_batch} to {new_batch} rows: the {rows} rows done in epoch "
+                f"{self.epoch} are not a whole number of batches of {new_batch}"
+            )
+        if rows // new_batch >= epoch_rows // new_batch:  # what is left is shorter than one new batch (dropped)
+            return LoaderPosition(self.epoch + 1, 0)
+        return LoaderPosition(self.epoch, rows // new_batch)
+
 
 class BatchLoader:
     def __init__(

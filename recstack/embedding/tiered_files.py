@@ -5,6 +5,9 @@ checkpoint's ``state.pt``: [rows, width] float32, the D weights then the row-wis
 row (``tiered_store``'s layout). A file is streamed from its tier in chunks (an SSD table is a kernel file copy),
 so no table passes through memory whole; the state dict only records which files to expect. ``restore_files``
 loads them into whatever tiers the loading collection uses, so a run may resume under other memory budgets.
+Budgets under which every table fits in memory build the all-in-memory collection instead, whose checkpoint is
+a single file: ``read_table_files`` turns a directory checkpoint's tables into its weight and accumulator, and
+``restore_tensors`` fills the tiers from them, so a run may also resume across the two.
 """
 
 from __future__ import annotations
@@ -120,6 +123,39 @@ class TableFilesMixin:
                     if f.readinto(memoryview(rec.numpy()).cast("B")) != n * self.width * 4:
                         raise ValueError(f"{path}: truncated at row {r0}")
                     self._scatter(torch.arange(r0, r0 + n) + self._offsets[i], rec)
+        self._restored()
+
+    def restore_tensors(self, weight: torch.Tensor, accumulator: torch.Tensor | None) -> None:
+        """Load every table from an all-in-memory collection's state: ``weight`` [sum of rows, D] and the
+        row-wise accumulator [sum of rows] (or None), the tables one after another in this collection's order."""
+        d, total = self.embedding_dim, sum(t.num_embeddings for t in self.tables)
+        if tuple(weight.shape) != (total, d):
+            raise ValueError(f"embedding weight of shape {tuple(weight.shape)}, this model's tables need {(total, d)}")
+        if (accumulator is not None) != (self.width > d):
+            raise ValueError(f"the checkpoint's tables {'have' if accumulator is not None else 'have no'} row-wise "
+                             f"accumulators, this model's sparse optimizer {'needs' if self.width > d else 'uses'} "
+                             f"{'them' if self.width > d else 'none'}")
+        self._wait_prefetch()
+
+        def chunks(r0: int, rows: int) -> Iterator[torch.Tensor]:
+            for a in range(r0, r0 + rows, CHUNK_ROWS):
+                b = min(a + CHUNK_ROWS, r0 + rows)
+                w = weight[a:b].float().cpu()
+                yield w if accumulator is None else torch.cat([w, accumulator[a:b].float().cpu().unsqueeze(1)], 1)
+
+        r0 = 0
+        for i, t in enumerate(self.tables):
+            if i in self.cached_tables:
+                self._stores[self.cached_tables.index(i)].fill(chunks(r0, t.num_embeddings))
+            else:
+                at = self._offsets[i]
+                for rec in chunks(r0, t.num_embeddings):
+                    self._scatter(torch.arange(at, at + rec.shape[0]), rec)
+                    at += rec.shape[0]
+            r0 += t.num_embeddings
+        self._restored()
+
+    def _restored(self) -> None:
         self._cache.clear()  # the cached copies belonged to the replaced rows
         self._staged.clear()
         self._staged_dirty = False
@@ -127,3 +163,30 @@ class TableFilesMixin:
         with self._hint_lock:
             self._hints.clear()
         self._needs_restore = False
+
+
+def read_table_files(
+    directory: str | Path | None, extra_state: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A directory checkpoint's tables (``extra_state``: the collection's, from the state dict) -> the
+    all-in-memory collection's weight [sum of rows, D] and row-wise accumulator [sum of rows] (None without
+    one), on the CPU."""
+    if directory is None:
+        raise ValueError("this checkpoint has no table files; tiered tables need a directory checkpoint")
+    width, tables = int(extra_state["width"]), extra_state["tables"]
+    dims = {int(t["dim"]) for t in tables}
+    if len(dims) != 1:
+        raise ValueError(f"checkpoint tables of different dimensions {sorted(dims)}")
+    d = dims.pop()
+    total = sum(int(t["rows"]) for t in tables)
+    records = torch.empty(total, width)
+    r0 = 0
+    for t in tables:
+        path, rows = Path(directory) / t["file"], int(t["rows"])
+        check_table_file(path, rows, width)
+        with open(path, "rb") as f:
+            if f.readinto(memoryview(records[r0 : r0 + rows].numpy()).cast("B")) != rows * width * 4:
+                raise ValueError(f"{path}: truncated")
+        r0 += rows
+    weight = records[:, :d].contiguous()
+    return weight, (records[:, d].contiguous() if width > d else None)
