@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from recstack.checkpoint import latest_checkpoint, list_checkpoints, rng_state, save_checkpoint, set_rng_state
+from recstack.checkpoint import rng_state, save_checkpoint, set_rng_state
 from recstack.compression.runtime import CompressionRuntime
 from recstack.config import Config, ConfigError
 from recstack.data.batch import Batch
@@ -33,6 +33,7 @@ from recstack.lr_schedule import LRScaler, LRSchedule
 from recstack.metrics import BinaryMetrics, auc
 from recstack.models.build import build_dense_optimizer, build_model, capped_table_sizes
 from recstack.models.dlrm import DLRM
+from recstack.resume import convert_embedding_layout, find_resume_state, rebatched_position
 
 
 def resolve_device(name: str) -> torch.device:
@@ -248,7 +249,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         where = state.get("path", "the checkpoint")
-        tables = self._convert_embedding_layout(state)
+        tables = convert_embedding_layout(state, self.model.embeddings, self.device) if self.world == 1 else None
         try:
             missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
         except RuntimeError as e:  # shapes differ
@@ -264,7 +265,7 @@ class Trainer:
         elif hasattr(emb, "restore_files"):  # cached embedding tiers: their rows are files beside the state
             emb.restore_files(state.get("checkpoint_dir"))
         self.optimizer.load_state_dict(state["dense_optimizer"])
-        self.train_loader.position = self._saved_position(state)
+        self.train_loader.position = rebatched_position(state, self.train_loader, self.cfg.train.shuffle, self.is_main)
         self.step = int(state["step"])
         self.samples = int(state["samples"])
         self.target_step = state.get("target_step")  # a run that reached train.target_auc stays finished
@@ -276,86 +277,8 @@ class Trainer:
             left = self.cfg.train.epochs * per_epoch - (pos.epoch * per_epoch + pos.batch)
             self.total_steps = self.step + max(0, left)
 
-    def _saved_position(self, state: dict[str, Any]) -> LoaderPosition:
-        """The checkpoint's data position for this run's global batch (train.batch_size x processes), which
-        may differ from the one the checkpoint was written with."""
-        pos = state["position"]
-        saved = LoaderPosition(int(pos["epoch"]), int(pos["batch"]))
-        old = pos.get("global_batch_size")  # absent in older checkpoints: their batch size x world size
-        if old is None:
-            old = int(state["config"]["train"]["batch_size"]) * int(state.get("world_size") or 1)
-        new = self.train_loader.global_batch_size
-        try:
-            moved = saved.rebatched(int(old), new, self.train_loader.end - self.train_loader.start,
-                                    self.cfg.train.shuffle)
-        except ValueError as e:
-            was = f"{old // int(state.get('world_size') or 1)} x {state.get('world_size') or 1} processes"
-            raise ConfigError(
-                f"resume: {state.get('path', 'the checkpoint')}: {e}. Resume with the global batch it was written "
-                f"with (train.batch_size x processes = {was}), or change it at an epoch boundary"
-            ) from e
-        if old != new and self.is_main:
-            print(f"resume: global batch of {old} rows now {new}: the {saved.batch * old} rows done in epoch "
-                  f"{saved.epoch} continue at epoch {moved.epoch}, batch {moved.batch}")
-        return moved
-
-    def _convert_embedding_layout(self, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """A single-process checkpoint of the other embedding layout (the memory budgets of this run put every
-        table in memory where the checkpoint's had cached tiers, or the reverse): all-in-memory tables are
-        filled from the checkpoint's table files here, in ``state``; cached tiers get (weight, accumulator)
-        back, to load once the rest of the state is in."""
-        if self.world > 1:
-            return None
-        model_state = state["model"]
-        emb = self.model.embeddings
-        tiered_ckpt = "embeddings._extra_state" in model_state
-        if tiered_ckpt == hasattr(emb, "restore_files"):
-            return None
-        from recstack.embedding.tiered_files import read_table_files
-
-        if tiered_ckpt:
-            extra = model_state.pop("embeddings._extra_state")
-            want = [{"name": t.name, "rows": t.num_embeddings, "dim": t.embedding_dim} for t in emb.tables]
-            have = [{k: t.get(k) for k in ("name", "rows", "dim")} for t in extra.get("tables", [])]
-            if have != want:
-                raise ConfigError(f"resume: {state.get('path')}: checkpoint tables {have} do not match this model's "
-                                  f"{want}")
-            weight, acc = read_table_files(state.get("checkpoint_dir"), extra)
-            model_state["embeddings.weight"] = weight.to(self.device)
-            if acc is not None:
-                model_state["embeddings.accumulator"] = acc.to(self.device)
-            return None
-        if "embeddings.weight" not in model_state:
-            return None  # not a checkpoint of this model: load_state_dict says what is missing
-        weight = model_state.pop("embeddings.weight")
-        acc = model_state.pop("embeddings.accumulator", None)
-        model_state["embeddings._extra_state"] = emb.get_extra_state()
-        return weight, acc
-
     def _resume(self) -> None:
-        from recstack.distributed.checkpoint import list_sharded, load_sharded
-
-        sharded = list_sharded(self.ckpt_dir) if self.ckpt_dir else []  # step_<step>/, written under torchrun
-        single = list_checkpoints(self.ckpt_dir) if self.ckpt_dir else []  # ckpt_<step>[.pt], by one process
-        if self.world > 1:
-            if single and (not sharded or _step_of(single[-1]) > _step_of(sharded[-1])):
-                raise ConfigError(
-                    f"resume: the newest checkpoint in {self.ckpt_dir} is {single[-1].name}, written by a single "
-                    f"process (step {_step_of(single[-1])}); a torchrun run resumes from sharded checkpoints "
-                    "(step_<step>/) only. Resume it with one process (recstack train --resume), or train into "
-                    "another --output-dir"
-                )
-            state = load_sharded(sharded[-1], self.model.embeddings, self.device) if sharded else None
-            if state is not None:
-                state["path"] = str(sharded[-1])
-        else:
-            state = latest_checkpoint(self.ckpt_dir, self.device) if self.ckpt_dir else None
-            if sharded and (state is None or _step_of(sharded[-1]) > int(state["step"])):
-                raise ConfigError(
-                    f"resume: the newest checkpoint in {self.ckpt_dir} is {sharded[-1].name}, a sharded checkpoint "
-                    f"written under torchrun (step {_step_of(sharded[-1])}); a single process resumes from its own "
-                    "checkpoints (ckpt_<step>.pt) only. Resume it under torchrun, or train into another --output-dir"
-                )
+        state = find_resume_state(self.ckpt_dir, self.world, self.model.embeddings, self.device)
         if state is None:
             print("resume: no checkpoint found, starting from scratch")
             return
@@ -519,11 +442,6 @@ class Trainer:
                 plot_comm_breakdown(self.output_dir / "metrics.jsonl", self.output_dir / "comm_breakdown.png",
                                     pipelined=self.cfg.dist.pipeline)
         return out
-
-
-def _step_of(checkpoint: Path) -> int:
-    """ckpt_<step>.pt, ckpt_<step>/ or step_<step>/ -> step."""
-    return int(checkpoint.name.split("_")[1].split(".")[0])
 
 
 def _route(embeddings: torch.nn.Module, batch: Batch) -> Batch:
