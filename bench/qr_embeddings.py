@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from recstack.config import load_config  # noqa: E402
+from recstack.config import ModelConfig, load_config  # noqa: E402
 from recstack.data.format import PreparedDataset  # noqa: E402
 from recstack.embedding.qr import split_rows  # noqa: E402
 from recstack.trainer import Trainer  # noqa: E402
@@ -78,9 +78,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         generate(SynthConfig(rows=a.rows, seed=0, max_table_size=a.max_rows), data, progress=False)
         sizes = PreparedDataset(data).table_sizes
-        qr_rows = sum(sum(r) if (r := split_rows(n, a.collisions, 200)) else n for n in sizes)
+        threshold = ModelConfig().qr_threshold
+        qr_rows = sum(sum(r) if (r := split_rows(n, a.collisions, threshold)) else n for n in sizes)
         cap = equal_rows_cap(sizes, qr_rows)
-        qr = [f"model.qr_collisions={a.collisions}", "model.qr_threshold=200"]
+        qr = [f"model.qr_collisions={a.collisions}", f"model.qr_threshold={threshold}"]
         arms = {"full": [], "qr-mult": [*qr, 'model.qr_operation="mult"'], "qr-add": [*qr, 'model.qr_operation="add"'],
                 "hash": [f"model.max_table_size={cap}"]}
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in arms}

@@ -15,6 +15,13 @@ import numpy as np
 import torch
 
 
+def feature_bounds(offsets: torch.Tensor, num_features: int) -> torch.Tensor:
+    """Feature-major bag offsets [F * B + 1] -> [F + 1] offsets where each feature's ids start (and the end).
+    B may be 0 (a rank's share of a short last batch): every feature is then empty."""
+    b = (offsets.numel() - 1) // num_features
+    return offsets[::b] if b else offsets[:1].expand(num_features + 1)
+
+
 @dataclass
 class SparseFeatures:
     """Jagged sparse ids for ``num_features`` features of ``batch_size`` samples.
@@ -35,6 +42,16 @@ class SparseFeatures:
     @property
     def batch_size(self) -> int:
         return (self.offsets.numel() - 1) // self.num_features
+
+    @property
+    def feature_bounds(self) -> torch.Tensor:
+        """[F + 1]: feature f's ids are ``ids[bounds[f] : bounds[f + 1]]``."""
+        return feature_bounds(self.offsets, self.num_features)
+
+    @property
+    def ids_per_feature(self) -> torch.Tensor:
+        """[F] number of ids of each feature."""
+        return self.feature_bounds.diff()
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -195,8 +195,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         group = group or self.ids_group
         b = sparse.batch_size
         lengths = sparse.lengths.view(sparse.num_features, b)  # [F, B]
-        # first id of every feature (a rank may have no samples: the last, short evaluation batch)
-        starts = (sparse.offsets[:-1:b].tolist() if b else [0] * sparse.num_features) + [int(sparse.offsets[-1])]
+        starts = sparse.feature_bounds.tolist()  # [F + 1] (B may be 0: the last, short evaluation batch)
         send_ids, send_w = [], []
         send_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, lengths) of every piece sent, rank-major
         for r in range(self.world):

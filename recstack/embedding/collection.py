@@ -140,8 +140,7 @@ class FusedEmbeddingBagCollection(EmbeddingCollection):
 
     def global_rows(self, sparse: SparseFeatures) -> torch.Tensor:
         """Local ids [N] (feature-major) -> rows of the concatenated weight [N]."""
-        b = sparse.batch_size
-        per_feature = sparse.offsets[b::b] - sparse.offsets[:-1:b]  # [F] ids per feature
+        per_feature = sparse.ids_per_feature  # [F]
         return sparse.ids + self.feature_offsets.repeat_interleave(per_feature, output_size=sparse.ids.numel())
 
     def forward(self, sparse: SparseFeatures) -> torch.Tensor:
@@ -157,7 +156,7 @@ class FusedEmbeddingBagCollection(EmbeddingCollection):
                 rows, self.weight, sparse.offsets, mode="sum", per_sample_weights=sparse.weights,
                 include_last_offset=True,
             )
-        return pooled.view(f, b, -1).transpose(0, 1)  # [F*B, D] -> [B, F, D]
+        return pooled.view(f, b, self.embedding_dim).transpose(0, 1)  # [F*B, D] -> [B, F, D] (B may be 0)
 
     def apply_gradients(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """rows [N] of the concatenated weight (may repeat), grads [N, D]: one optimizer update.

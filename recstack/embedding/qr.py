@@ -39,16 +39,19 @@ def split_rows(rows: int, collisions: int, threshold: int) -> tuple[int, int] | 
 class QRSplit:
     """How F features over ``raw_tables`` become F + K features over ``tables`` (K = split features).
 
-    collisions: [F] int64, m of each feature's table (1 for tables not split: i // 1 = i).
     split_features: the K features whose tables are split, in remainder-slot order.
+    divisors: [F] int64, m for split features and 1 for the others (i // 1 = i).
+    partner: [F] int64, each feature's remainder slot among [0, K), K (the operation's identity) if not split.
     """
 
     raw_tables: tuple[TableConfig, ...]
     tables: tuple[TableConfig, ...]
     num_features: int
     split_features: tuple[int, ...]
-    collisions: torch.Tensor
+    m: int
     operation: str
+    divisors: torch.Tensor
+    partner: torch.Tensor
 
     @staticmethod
     def build(tables: list[TableConfig], collisions: int, threshold: int, operation: str) -> QRSplit | None:
@@ -79,9 +82,12 @@ class QRSplit:
             q_rows, r_rows = split_rows(t.num_embeddings, collisions, threshold)  # type: ignore[misc]
             out.append(TableConfig(t.name, q_rows, t.embedding_dim, t.features))
             remainders.append(TableConfig(rem_name, r_rows, t.embedding_dim, tuple(slot[f] for f in t.features)))
-        per_feature = torch.ones(num_features, dtype=torch.int64)
-        per_feature[list(split_features)] = collisions
-        return QRSplit(tuple(tables), tuple(out + remainders), num_features, split_features, per_feature, operation)
+        divisors = torch.ones(num_features, dtype=torch.int64)
+        divisors[list(split_features)] = collisions
+        partner = torch.full((num_features,), len(split_features), dtype=torch.int64)
+        partner[list(split_features)] = torch.arange(len(split_features))
+        return QRSplit(tuple(tables), tuple(out + remainders), num_features, split_features, collisions, operation,
+                       divisors, partner)
 
     @property
     def num_split_features(self) -> int:
@@ -95,14 +101,12 @@ class QRSplit:
             return sparse
         if sparse.num_features != self.num_features:
             raise ValueError(f"got {sparse.num_features} sparse features, the QR split expects {self.num_features}")
-        b = sparse.batch_size
-        lengths = sparse.lengths.view(self.num_features, b)  # [F, B]
-        per_feature = lengths.sum(1)  # [F] ids of each feature
-        m = self.collisions.to(sparse.ids.device)
-        div = m.repeat_interleave(per_feature.to(m.device), output_size=sparse.ids.numel())  # [N]
-        starts = torch.cat([per_feature.new_zeros(1), per_feature.cumsum(0)]).tolist()
-        rem = [sparse.ids[starts[f] : starts[f + 1]] % int(self.collisions[f]) for f in self.split_features]
-        ids = torch.cat([torch.div(sparse.ids, div, rounding_mode="floor"), *rem])
+        bounds = sparse.feature_bounds  # [F + 1]
+        div = self.divisors.to(sparse.ids.device).repeat_interleave(bounds.diff(), output_size=sparse.ids.numel())
+        starts = bounds.tolist()
+        rem = [sparse.ids[starts[f] : starts[f + 1]] % self.m for f in self.split_features]
+        ids = torch.cat([torch.div(sparse.ids, div, rounding_mode="floor"), *rem])  # quotients, then remainders
+        lengths = sparse.lengths.view(self.num_features, sparse.batch_size)  # [F, B]
         new_lengths = torch.cat([lengths, lengths[list(self.split_features)]]).reshape(-1)
         offsets = torch.cat([new_lengths.new_zeros(1), new_lengths.cumsum(0)])
         weights = None
@@ -120,8 +124,7 @@ class QRSplit:
         # Features not split take the operation's identity (a ones / zeros row in slot K).
         identity = (torch.ones if self.operation == "mult" else torch.zeros)(b, 1, d, dtype=pooled.dtype,
                                                                             device=pooled.device)
-        index = torch.full((f,), len(self.split_features), dtype=torch.int64, device=pooled.device)
-        index[list(self.split_features)] = torch.arange(len(self.split_features), device=pooled.device)
+        index = self.partner.to(pooled.device)
         partner = torch.index_select(torch.cat([remainder, identity], dim=1), 1, index)  # [B, F, D]
         return quotient * partner if self.operation == "mult" else quotient + partner
 

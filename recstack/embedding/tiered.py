@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from recstack.data.batch import Batch, SparseFeatures
+from recstack.data.batch import Batch, SparseFeatures, feature_bounds
 from recstack.embedding.cache import POLICIES, CacheCounters, SetAssociativeCache
 from recstack.embedding.collection import EmbeddingCollection, TableConfig, _FusedLookup, init_table
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
@@ -68,7 +68,6 @@ class _Hint:
 
     ids: torch.Tensor
     offsets: torch.Tensor
-    batch_size: int
     prefetched: bool = False
     # What the prefetch resolved: (positions of cached ids [n], inverse [n], buffer rows of the distinct keys
     # [U]) and the cache's request count right after; still valid if no request has run since.
@@ -183,7 +182,7 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
         ids, offsets = sparse.ids.cpu(), sparse.offsets.cpu()
         hint, nxt = self._match_hint(ids)
         training = self.training and torch.is_grad_enabled()
-        rows = self._resolve(ids, offsets, sparse.batch_size, hint, training)
+        rows = self._resolve(ids, offsets, hint, training)
         if training:
             self._inflight += 1
         if nxt is not None and self.prefetch_enabled:
@@ -196,7 +195,7 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
         else:
             pooled = F.embedding_bag(rows, self.weight, sparse.offsets, mode="sum",
                                      per_sample_weights=sparse.weights, include_last_offset=True)
-        return pooled.view(f, b, -1).transpose(0, 1)  # [F*B, D] -> [B, F, D]
+        return pooled.view(f, b, self.embedding_dim).transpose(0, 1)  # [F*B, D] -> [B, F, D]
 
     def apply_gradients(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """Called from backward: rows [N] of the compute buffer, grads [N, D] -> one optimizer update."""
@@ -219,10 +218,10 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
         return pos, local + self._feature_key_base.index_select(0, feature)
 
     def _resolve(
-        self, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, hint: _Hint | None, training: bool
+        self, ids: torch.Tensor, offsets: torch.Tensor, hint: _Hint | None, training: bool
     ) -> torch.Tensor:
         """Make a batch's rows resident and pin them -> compute-buffer rows [N] (CPU)."""
-        per_feature = offsets[batch_size::batch_size] - offsets[:-1:batch_size]
+        per_feature = feature_bounds(offsets, self.num_features).diff()  # [F]
         rows = ids + self._feature_offsets.repeat_interleave(per_feature, output_size=ids.numel())
         if hint is not None and hint.resolved is not None and hint.stamp == self._requests:
             pos, inverse, buf = hint.resolved  # prefetched whole, nothing evicted since: no work left here
@@ -371,7 +370,7 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
         def announce(batch: Batch) -> Batch:
             s = batch.sparse
             with self._hint_lock:
-                self._hints.append(_Hint(s.ids.cpu(), s.offsets.cpu(), s.batch_size))
+                self._hints.append(_Hint(s.ids.cpu(), s.offsets.cpu()))
                 while len(self._hints) > 64:  # batches that were loaded but never trained (a stopped epoch)
                     self._hints.popleft()
             return batch
@@ -396,8 +395,7 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
         self._pending = self._pool.submit(self._prefetch, hint, exclude)
 
     def _prefetch(self, hint: _Hint, exclude: torch.Tensor | None) -> None:
-        b = hint.batch_size
-        per_feature = hint.offsets[b::b] - hint.offsets[:-1:b]
+        per_feature = feature_bounds(hint.offsets, self.num_features).diff()  # [F]
         pos, keys = self._cache_keys(hint.ids, per_feature)
         if keys.numel():
             uniq, inverse, counts = torch.unique(keys, sorted=True, return_inverse=True, return_counts=True)

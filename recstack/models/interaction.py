@@ -23,7 +23,7 @@ class _GramPairs(torch.autograd.Function):
         z = torch.bmm(t, t.transpose(1, 2))  # [B, n, n]
         ctx.save_for_backward(t, spread)
         ctx.diagonal = diagonal
-        return z.view(t.shape[0], -1).index_select(1, pick)
+        return z.view(t.shape[0], t.shape[1] * t.shape[1]).index_select(1, pick)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -74,7 +74,7 @@ class CatInteraction(nn.Module):
         self.out_dim = dense_dim + num_features * dim
 
     def forward(self, dense: torch.Tensor | None, emb: torch.Tensor) -> torch.Tensor:
-        flat = emb.reshape(emb.shape[0], -1)
+        flat = emb.reshape(emb.shape[0], emb.shape[1] * emb.shape[2])  # [B, F D] (B may be 0)
         return torch.cat([dense, flat], dim=1) if dense is not None else flat
 
 
@@ -90,7 +90,7 @@ class DCNv2Interaction(nn.Module):
         self.out_dim = n
 
     def forward(self, dense: torch.Tensor | None, emb: torch.Tensor) -> torch.Tensor:
-        flat = emb.reshape(emb.shape[0], -1)
+        flat = emb.reshape(emb.shape[0], emb.shape[1] * emb.shape[2])  # [B, F D] (B may be 0)
         x0 = torch.cat([dense, flat], dim=1) if dense is not None else flat  # [B, n]
         x = x0
         for v, u in zip(self.v, self.u, strict=True):
