@@ -310,8 +310,10 @@ class Trainer:
         try:
             return self._train()
         except (RuntimeError, torch.distributed.DistError) as e:
-            from recstack.distributed.parallelize import PeerFailure
+            from recstack.distributed.parallelize import PeerFailure, is_peer_failure
 
+            if not is_peer_failure(e):
+                raise  # this rank's own error, reported as it is
             raise PeerFailure(
                 f"rank {self.rank}: a collective with the other ranks failed (a rank died, or none answered within "
                 f"dist.timeout_s={self.cfg.dist.timeout_s:g} s) at step {self.step}: {e}"
@@ -361,8 +363,8 @@ class Trainer:
                     result = self.evaluate()  # on every rank the same (gathered) figures, so all stop together
                     self.logger.log(self.step, "eval", result)
                     tick = window_t0 = time.perf_counter()
-                    if t.target_auc and result["auc"] >= t.target_auc:
-                        reached, self.target_step = result, self.step
+                    if self._reached_target(result):
+                        reached = result
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0:
                     self.save()
                     tick = time.perf_counter()
@@ -370,23 +372,28 @@ class Trainer:
                     break
         bar.close()
         if reached is not None:
-            if self.is_main:
-                print(f"reached train.target_auc={t.target_auc:g} at step {self.step} ({self.samples} samples)")
             final = reached
         elif self.has_eval:
             final = self.evaluate()
             if not any(r["step"] == self.step and r["kind"] == "eval" for r in self.logger.kept):
                 self.logger.log(self.step, "eval", final)  # (a finished run resumed has it already)
-            if t.target_auc and self.target_step is None and final["auc"] >= t.target_auc:
-                self.target_step = self.step  # reached at the last evaluation
-                if self.is_main:
-                    print(f"reached train.target_auc={t.target_auc:g} at step {self.step} ({self.samples} samples)")
+            self._reached_target(final)  # the last evaluation counts too
         else:
             final = {}  # no evaluation rows: no metrics
         self.save()
         summary = self.summary(final)
         self.logger.close()
         return summary
+
+    def _reached_target(self, result: dict[str, float]) -> bool:
+        """Whether this evaluation reaches train.target_auc for the first time (recorded as target_step)."""
+        t = self.cfg.train
+        if not t.target_auc or self.target_step is not None or result["auc"] < t.target_auc:
+            return False
+        self.target_step = self.step
+        if self.is_main:
+            print(f"reached train.target_auc={t.target_auc:g} at step {self.step} ({self.samples} samples)")
+        return True
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

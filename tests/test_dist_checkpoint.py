@@ -84,6 +84,17 @@ def test_dead_rank_stops_the_others_with_a_clear_error(tiny_dataset: Path, tmp_p
     assert "a collective with the other ranks failed" in err
 
 
+def test_a_ranks_own_error_is_not_reported_as_a_peer_failure() -> None:
+    """Only errors of collectives become "a collective with the other ranks failed" (the test above: a killed peer);
+    a rank's own error, such as a shape mismatch, keeps its message."""
+    from recstack.distributed.parallelize import is_peer_failure
+
+    with pytest.raises(RuntimeError) as own:
+        torch.zeros(2, 3) @ torch.zeros(2, 3)
+    assert not is_peer_failure(own.value)
+    assert is_peer_failure(torch.distributed.DistNetworkError("recv failed"))
+
+
 # Backward gradients through the error-bounded codec with error feedback. Row-wise: every table has rows on
 # both ranks, so each rank sends chunks over the network and holds residuals of its own.
 EF = ['dist.backward_codec="eb"', "compression.error_feedback=true", "compression.base_bound=0.05",

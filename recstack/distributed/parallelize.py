@@ -6,7 +6,6 @@ import datetime
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,7 +13,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from recstack.config import DistConfig
-from recstack.data.batch import Batch
 from recstack.distributed.comm import CommStats
 from recstack.distributed.planner.types import PlanError, PlanPlacements, ShardingPlan, Topology
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
@@ -24,6 +22,16 @@ from recstack.models.dlrm import DLRM
 
 class PeerFailure(RuntimeError):
     """Another rank died or stopped answering; this rank gives up instead of hanging."""
+
+
+# What gloo and NCCL put in the errors of a collective whose peer died or timed out.
+_PEER_SIGNS = ("gloo", "nccl", "connection", "peer", "timed out", "timeout", "broken pipe", "socket")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether an error raised during training came from a collective (a dead or silent peer) rather than from
+    this rank's own computation (a bad index, a shape mismatch), which is reported as it is."""
+    return isinstance(e, torch.distributed.DistError) or any(s in str(e).lower() for s in _PEER_SIGNS)
 
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
@@ -68,28 +76,12 @@ def shard_model(
     return model
 
 
-class HybridDDP(DDP):
-    """DDP over the dense part of a model whose embeddings are sharded.
-
-    A rank can get no rows of a batch: the last, short evaluation batch is split over the ranks, so with fewer
-    rows than ranks some ranks get none. Such a rank still runs the embedding collection (the other ranks'
-    lookups need its all-to-alls) and returns empty logits [0] instead of running the dense layers. This only
-    happens without gradients (evaluation); training batches always hold ``batch_size`` rows per rank."""
-
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        batch = inputs[0] if len(inputs) == 1 and not kwargs else None
-        if isinstance(batch, Batch) and batch.batch_size == 0 and not torch.is_grad_enabled():
-            self.module.embeddings(self.module.split_batch(batch).sparse)  # [0, F, D]: joins every collective
-            return batch.labels.new_zeros(0, dtype=batch.dense.dtype)
-        return super().forward(*inputs, **kwargs)
-
-
 def wrap_ddp(model: DLRM, device: torch.device, stats: CommStats | None = None) -> DDP:
     """DDP over the dense parameters only: embedding buffers differ per rank and update themselves.
     With ``stats``, each gradient bucket's all-reduce is timed (launch to completion; it overlaps backward)."""
     ignore = [f"embeddings.{name}" for name, _ in model.embeddings.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
-    ddp = HybridDDP(model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
     if stats is not None:
         ddp.register_comm_hook(stats, _timed_allreduce)
     return ddp
