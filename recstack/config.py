@@ -269,14 +269,10 @@ def synth_config(values: dict[str, Any], where: str = "SynthConfig") -> Any:
     type or out of range is a ConfigError naming ``where`` and the key (``data.synth.rows: must be >= 1``)."""
     from recstack.data.synth import SynthConfig
 
-    hints = typing.get_type_hints(SynthConfig)
-    names = [f.name for f in dataclasses.fields(SynthConfig)]
-    for key, value in values.items():
-        if key not in names:
-            raise ConfigError(f"{where}: unknown key {key!r} (valid: {', '.join(sorted(names))})")
-        _check_type(value, hints[key], f"{where}.{key}")
+    probe = SynthConfig()
+    fill(probe, values, where)  # unknown keys and types, values converted (a TOML list to a tuple)
     try:
-        cfg = SynthConfig(**values)
+        cfg = SynthConfig(**{k: getattr(probe, k) for k in values})
         cfg.ctr_per_vertical()  # target_ctr x the vertical spread must stay below 1
     except (TypeError, ValueError) as e:
         msg = str(e)

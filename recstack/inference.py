@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
@@ -32,8 +31,8 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
     else:
         state = load_checkpoint(path, device)
     cfg = config_from_dict(state["config"])
-    with contextlib.redirect_stdout(sys.stderr):
-        model = build_model(cfg, state["num_dense"], state["table_sizes"], device, state.get("table_names"))
+    # Placement notes to stderr: stdout is the JSON of `recstack eval`.
+    model = build_model(cfg, state["num_dense"], state["table_sizes"], device, state.get("table_names"), sys.stderr)
     model.load_state_dict(state["model"])
     restore = getattr(model.embeddings, "restore_files", None)
     if restore is not None:  # cached embedding tiers: their rows are files beside the checkpoint's state

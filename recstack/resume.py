@@ -12,14 +12,19 @@ from typing import Any
 
 import torch
 
-from recstack.checkpoint import latest_checkpoint, list_checkpoints
+from recstack.checkpoint import _NAME, latest_checkpoint, list_checkpoints
 from recstack.config import ConfigError
 from recstack.data.loader import BatchLoader, LoaderPosition
 
 
 def step_of(checkpoint: Path) -> int:
     """ckpt_<step>.pt, ckpt_<step>/ or step_<step>/ -> step."""
-    return int(checkpoint.name.split("_")[1].split(".")[0])
+    from recstack.distributed.checkpoint import _STEP_DIR
+
+    m = _NAME.match(checkpoint.name) or _STEP_DIR.match(checkpoint.name)
+    if m is None:
+        raise ValueError(f"{checkpoint}: not a checkpoint name")
+    return int(m.group(1))
 
 
 def find_resume_state(ckpt_dir: Path | None, world: int, embeddings: torch.nn.Module,

@@ -154,8 +154,8 @@ def test_hand_written_plan_is_validated_and_trains(tiny_dataset: Path, tmp_path:
 
 
 def test_resume_refuses_the_other_checkpoint_format(tiny_dataset: Path, tmp_path: Path) -> None:
-    """Sharded checkpoints (torchrun) and single-process ones do not load into each other: a resume that finds
-    only the other kind stops with an error naming it instead of training from scratch beside it."""
+    """Sharded checkpoints (torchrun) and single-process ones do not load into each other: a resume whose newest
+    checkpoint is of the other kind stops with an error naming it instead of training from scratch beside it."""
     def run(cmd: list[str], out: Path, extra: list[str], resume: bool) -> subprocess.CompletedProcess:
         args = [*cmd, "train", "--output-dir", str(out), "--set", f'data.train="{tiny_dataset}"']
         for o in [*COMMON, "train.max_steps=20", "train.checkpoint_every=20", 'dist.sharding="row_wise"', *extra]:

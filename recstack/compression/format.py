@@ -189,6 +189,8 @@ def parse(message: torch.Tensor, host_views: bool = False) -> tuple[Header, list
             or h.center >= max(h.levels, 1)):
         raise EbFormatError(f"eb: inconsistent sizes N={h.rows} D={h.cols} U={h.unique_rows} "
                             f"exact={h.exceptions}")
+    if h.kind == QUANTIZED and h.rows * h.cols == 0:  # the encoder sends no values as a lossless copy
+        raise EbFormatError(f"eb: a quantized message of N={h.rows} x D={h.cols} values")
     if h.sections > 8:
         raise EbFormatError(f"eb: {h.sections} sections; a message has at most 6")
     zstd_only = h.kind == QUANTIZED and h.flags & (FLAG_ZSTD | FLAG_EXCEPTIONS) == FLAG_ZSTD

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from typing import TextIO
 
 import torch
 
@@ -148,10 +149,11 @@ def build_collection(
     tables: list[TableConfig],
     optimizer: SparseOptimizerConfig,
     device: torch.device | str = "cpu",
-    verbose: bool = True,
+    log: TextIO | None = None,
 ) -> EmbeddingCollection:
     """The embedding collection the ``[memory]`` budgets call for: the fused all-in-memory one when every table
-    fits on the device, a ``TieredEmbeddingCollection`` otherwise. Prints the plan when ``verbose``."""
+    fits on the device, a ``TieredEmbeddingCollection`` otherwise. Prints the plan to ``log`` (standard output
+    by default)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("memory budgets (cached embedding tiers) work in a single process only; unset "
                          "memory.device and memory.host under torchrun")
@@ -159,8 +161,7 @@ def build_collection(
     dev, host = parse_bytes(mem.device), parse_bytes(mem.host)
     row_bytes = 4 * record_width(cfg.model.embedding_dim, optimizer.kind == "rowwise_adagrad")
     placements = plan_placement(tables, row_bytes, dev, host, mem.ssd_dir, mem.cache_policy)
-    if verbose:
-        print(format_plan(tables, placements, row_bytes, dev, host, mem.ssd_dir), flush=True)
+    print(format_plan(tables, placements, row_bytes, dev, host, mem.ssd_dir), file=log, flush=True)
     if all(p.tier == "device" for p in placements):
         return FusedEmbeddingBagCollection(tables, optimizer, seed=cfg.train.seed, device=device)
     return TieredEmbeddingCollection(tables, optimizer, placements, seed=cfg.train.seed, device=device,

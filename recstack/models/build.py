@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TextIO
+
 import torch
 
 from recstack.config import Config
@@ -43,9 +45,11 @@ def build_model(
     table_sizes: list[int],
     device: torch.device | str = "cpu",
     names: list[str] | None = None,
+    log: TextIO | None = None,
 ) -> DLRM:
     """Dense layers are initialised from torch's global RNG (seeded by the caller), tables from per-table
-    generators (seeded by ``train.seed``), so the same seed gives the same model on any placement."""
+    generators (seeded by ``train.seed``), so the same seed gives the same model on any placement. With ``[memory]``
+    budgets the placement of tables over memory tiers is printed to ``log`` (standard output by default)."""
     tables = table_configs(table_sizes, cfg.model.embedding_dim, names)
     m = cfg.model
     qr = QRSplit.build(tables, m.qr_collisions, m.qr_threshold, m.qr_operation)
@@ -53,7 +57,7 @@ def build_model(
         tables = list(qr.tables)
     emb: EmbeddingCollection
     if memory_budgets_set(cfg):  # [memory] budgets: tables that do not fit get cached tiers (plan printed)
-        emb = build_collection(cfg, tables, sparse_optimizer_config(cfg), device)
+        emb = build_collection(cfg, tables, sparse_optimizer_config(cfg), device, log)
     else:
         emb = FusedEmbeddingBagCollection(tables, sparse_optimizer_config(cfg), seed=cfg.train.seed, device=device)
     return DLRM(cfg.model, num_dense, emb, qr).to(device)
