@@ -464,6 +464,10 @@ def test_plan_file_checked_against_the_table_sizes(tmp_path) -> None:
             continue
         with pytest.raises(PlanError, match=f"^{re.escape(path)}: {message}"):
             placements.check(sizes)
+    # Memory figures in a hand-written plan without a topology are not held against a default HBM size.
+    big = _plan_file(tmp_path, [_entry("C1", "table_wise", [0], memory_bytes_per_rank={"0": 40 * 10**9}),
+                                _entry("C2", "table_wise", [1])])
+    placements_from_config(DistConfig(plan=big), ["C1", "C2"], 2).check(sizes)
     three = _plan_file(tmp_path, [_entry("C1", "table_wise", [0]), _entry("C2", "column_wise", [0, 1, 2])],
                        world_size=3)
     placements = placements_from_config(DistConfig(plan=three), ["C1", "C2"], 3)

@@ -266,8 +266,9 @@ class ShardingPlan:
         """Raise :class:`PlanError` naming the table, the field and the problem if this plan cannot be executed
         on ``world_size`` ranks (and, given ``tables``, for exactly those tables; rows and dims the plan
         leaves out are theirs). ``estimates=False``: a hand-written plan, which may leave out
-        ``batch_size_per_rank`` and ``memory_bytes_per_rank``; without ``tables`` the checks that need a
-        table's size are skipped where the plan does not give it."""
+        ``batch_size_per_rank`` and ``memory_bytes_per_rank`` and whose memory use is not compared with an HBM
+        size; without ``tables`` the checks that need a table's size are skipped where the plan does not give
+        it."""
         if not _is_int(world_size) or world_size <= 0:
             raise PlanError(f"world size must be a positive integer, got {world_size!r}")
         if self.world_size != world_size:
@@ -303,7 +304,8 @@ class ShardingPlan:
             for r, b in (t.memory_bytes_per_rank or {}).items():
                 used[r] += b
         for r, b in enumerate(used):
-            if b > self.topology.hbm_bytes:
+            # A hand-written plan's topology may be the job's own, whose HBM size is only a default.
+            if estimates and b > self.topology.hbm_bytes:
                 raise PlanError(f"rank {r} holds {format_bytes(b)} ({b:,} bytes) of tables, HBM per rank is "
                                 f"{format_bytes(self.topology.hbm_bytes)}")
 
