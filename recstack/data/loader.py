@@ -107,7 +107,7 @@ class BatchLoader:
         batch = self.ds.batch(int(bounds[self.rank]), int(bounds[self.rank + 1]), self.extras)
         if self.table_caps is not None:
             s = batch.sparse
-            caps = self.table_caps.repeat_interleave(s.lengths.view(s.num_features, -1).sum(1))
+            caps = self.table_caps.repeat_interleave(s.ids_per_feature)  # B may be 0 (a short last batch)
             s.ids = torch.remainder(s.ids, caps)
         return self.transform(batch) if self.transform is not None else batch
 

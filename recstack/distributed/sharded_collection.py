@@ -84,15 +84,6 @@ class ReplicatedEmbeddingBagCollection(FusedEmbeddingBagCollection):
         touched = dense.abs().sum(1).nonzero().squeeze(1)  # rows no rank touched keep their state
         self.optimizer.step(self.weight, self.accumulator, touched, dense[touched])
 
-    def forward(self, sparse: SparseFeatures) -> torch.Tensor:
-        if sparse.batch_size == 0 and sparse.num_features == self.num_features:
-            # No samples: look up one empty bag per feature and keep none of it ([0, F, D]), so that in training
-            # the backward still runs and joins the all-reduce that the other ranks' update waits for.
-            bags = SparseFeatures(sparse.ids, sparse.offsets.new_zeros(self.num_features + 1), self.num_features,
-                                  sparse.weights)
-            return super().forward(bags)[:0]
-        return super().forward(sparse)
-
 
 class ShardedEmbeddingCollection(EmbeddingCollection):
     def __init__(
