@@ -105,6 +105,26 @@ def test_prefetch_changes_nothing_but_when_rows_arrive(policy: str, tmp_path: Pa
     assert a["requests"] == b["requests"]  # every batch's distinct rows counted once, ahead or not
 
 
+def test_prefetched_rows_are_not_reused_for_the_same_ids_in_other_bags() -> None:
+    """A forward whose ids equal an announced batch's but whose bags differ (other features, other tables) must
+    not take the rows that batch's prefetch resolved."""
+    opt = SparseOptimizerConfig("sgd", 0.1)
+    ref = FusedEmbeddingBagCollection(TABLES, opt, seed=3)
+    cached = TablePlacement("host-cached", 64)
+    tc = TieredEmbeddingCollection(TABLES, opt, [TablePlacement(), cached, TablePlacement(), cached], seed=3)
+    hook = tc.next_batch_hook()
+    first = SparseFeatures.from_dense_ids(torch.tensor([[7, 8, 1, 9, 10]]))
+    announced = SparseFeatures(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 1, 2, 3, 4, 5]), 5)
+    other_bags = SparseFeatures(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 0, 1, 2, 3, 5]), 5)
+    hook(_Loaded(first))
+    hook(_Loaded(announced))
+    for coll in (ref, tc):
+        coll(first).sum().backward()  # prefetches ``announced`` behind it
+    with torch.no_grad():
+        assert torch.equal(tc(other_bags), ref(other_bags))
+    tc.close()
+
+
 def test_two_forwards_before_backward_keep_rows_pinned(tmp_path: Path) -> None:
     """Gradient accumulation: the first batch's rows must survive the second batch's evictions until backward."""
     opt = SparseOptimizerConfig("sgd", 0.1)
@@ -273,3 +293,26 @@ def test_placement_from_budgets() -> None:
     assert "ssd-cached" in text and "5.0%" in text
     with pytest.raises(ValueError, match="table 'big'.*set memory.ssd_dir"):
         plan_placement(tables, rb, budget, host_budget=10_000 * rb)
+
+
+def test_placement_stays_within_the_device_budget() -> None:
+    """Caches raised to their minimum take their rows from the other caches, never from beyond the budget; a
+    budget below the minimum caches gets smaller ones, and one without a row per cache is refused."""
+    sizes = {"a": 50, "b": 300, "c": 7, "d": 1000}
+    tables = [TableConfig(name, n, 8, (f,)) for f, (name, n) in enumerate(sizes.items())]
+    rb = 36
+
+    def used(p: list[TablePlacement]) -> int:
+        rows = [t.num_embeddings if x.tier == "device" else x.cache_rows for t, x in zip(tables, p, strict=True)]
+        return rb * sum(rows)
+
+    p = plan_placement(tables, rb, 4392)  # a and c stay (2052 bytes); 65 rows of cache are left for b and d
+    assert [x.tier for x in p] == ["device", "host-cached", "device", "host-cached"]
+    assert (p[1].cache_rows, p[3].cache_rows) == (32, 33)  # b's 5% share is below its 32-row minimum
+    assert used(p) == 4392
+    p = plan_placement(tables, rb, 40 * rb)  # less than the minimum caches (103 rows): nothing stays
+    assert all(x.tier == "host-cached" and x.cache_rows >= 1 for x in p)
+    assert used(p) <= 40 * rb
+    for too_small in (0, 4 * rb - 1):
+        with pytest.raises(ValueError, match="less than one row .* for each of the 4 tables"):
+            plan_placement(tables, rb, too_small)

@@ -38,7 +38,7 @@ SMALL = [
 ]
 METRICS = ("auc", "logloss", "ne", "calibration", "accuracy", "steps", "train_samples")
 # The tiny data set's tables hold 50, 300, 7 and 1000 rows of 36 bytes (8 weights + an accumulator).
-# 4392 bytes of device memory: C1 and C3 stay, C2 (host-cached, 32-row cache) and C4 (ssd-cached, 50 rows).
+# 4392 bytes of device memory: C1 and C3 stay, C2 (host-cached, 32-row cache) and C4 (ssd-cached, 33 rows).
 MIXED = ['memory.device="4392"', 'memory.host="10800"']
 # 16452 bytes: C1, C2 and C3 stay, C4 gets a 100-row cache (10%) over a file.
 SSD = ['memory.device="16452"', 'memory.host="0"']

@@ -180,7 +180,7 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
         if self._inflight == 0:
             self._release()
         ids, offsets = sparse.ids.cpu(), sparse.offsets.cpu()
-        hint, nxt = self._match_hint(ids)
+        hint, nxt = self._match_hint(ids, offsets)
         training = self.training and torch.is_grad_enabled()
         rows = self._resolve(ids, offsets, hint, training)
         if training:
@@ -377,11 +377,14 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
 
         return announce
 
-    def _match_hint(self, ids: torch.Tensor) -> tuple[_Hint | None, _Hint | None]:
-        """The announced batch this forward computes (dropping older ones) and the one after it, if known."""
+    def _match_hint(self, ids: torch.Tensor, offsets: torch.Tensor) -> tuple[_Hint | None, _Hint | None]:
+        """The announced batch this forward computes (dropping older ones) and the one after it, if known.
+        ids [N], offsets [F*B+1]: both must match, since the same ids split into other bags belong to other
+        features (other tables) and a prefetch's resolved rows would then be wrong."""
         with self._hint_lock:
             for i, h in enumerate(self._hints):
-                if h.ids is ids or (h.ids.shape == ids.shape and torch.equal(h.ids, ids)):
+                same_ids = h.ids is ids or (h.ids.shape == ids.shape and torch.equal(h.ids, ids))
+                if same_ids and h.offsets.shape == offsets.shape and torch.equal(h.offsets, offsets):
                     for _ in range(i + 1):
                         self._hints.popleft()
                     return h, (self._hints[0] if self._hints else None)

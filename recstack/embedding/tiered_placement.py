@@ -7,7 +7,9 @@ The plan, for tables of ``row_bytes`` per row (D float32 weights, plus one accum
    features share, are the hottest per byte) and kept on the device while what is left of the device budget
    still covers a minimum cache (1% of the rows, at least one set of 32) for each table not kept.
 3. The rest of the device budget becomes the caches of the other tables, the same fraction of each table's
-   rows (so a cache holds 5% of its table when the leftover is 5% of their bytes).
+   rows (so a cache holds 5% of its table when the leftover is 5% of their bytes); a table whose share is below
+   its minimum cache gets the minimum and the others share the rest, so the plan never exceeds the budget (a
+   budget below the minimum caches gives caches as large as it allows, down to one row; below that, an error).
 4. Their rows go to host memory while the host budget lasts (smallest first), then to files in ``ssd_dir``.
 
 The plan is printed as a table when the trainer builds the model.
@@ -89,7 +91,7 @@ def plan_placement(
             on_device.add(i)
             used += size[i]
     cached = [i for i in range(len(tables)) if i not in on_device]
-    fraction = max(0, device_budget - used) / sum(size[i] for i in cached)
+    cache_rows = _cache_rows(tables, cached, device_budget - used, row_bytes)
     host_used = 0
     tiers: dict[int, str] = {}
     for i in sorted(cached, key=lambda i: (size[i], i)):
@@ -104,13 +106,38 @@ def plan_placement(
                 f"({left} left): set memory.ssd_dir or raise a budget"
             )
     out = []
-    for i, t in enumerate(tables):
+    for i in range(len(tables)):
         if i in on_device:
             out.append(TablePlacement("device"))
         else:
-            rows = max(_min_cache_rows(t), min(t.num_embeddings, int(fraction * t.num_embeddings)))
-            out.append(TablePlacement(tiers[i], rows, policy))
+            out.append(TablePlacement(tiers[i], cache_rows[i], policy))
     return out
+
+
+def _cache_rows(tables: list[TableConfig], cached: list[int], budget: int, row_bytes: int) -> dict[int, int]:
+    """Split ``budget`` bytes into the caches of tables ``cached`` -> {table: cache rows}: the same fraction of
+    each table's rows, except that a table whose share is below its minimum cache gets the minimum and the others
+    share what is left, so the caches together never exceed the budget. A budget below the minimum caches gives
+    caches as large as it allows, down to one row."""
+    minimum = {i: _min_cache_rows(tables[i]) for i in cached}
+    if budget < sum(minimum.values()) * row_bytes:
+        minimum = dict.fromkeys(cached, 1)  # any cache size works (rows that find no slot are staged)
+        if budget < len(cached) * row_bytes:
+            raise ValueError(
+                f"memory.device leaves {budget:,} B for caches, less than one row ({row_bytes} B) for each of the "
+                f"{len(cached)} tables it cannot hold: raise memory.device"
+            )
+    floor: set[int] = set()
+    while True:
+        free = [i for i in cached if i not in floor]
+        left = budget - sum(minimum[i] for i in floor) * row_bytes
+        free_bytes = max(1, sum(tables[i].num_embeddings for i in free) * row_bytes)
+        # integer arithmetic: rows = left * n / free_bytes, rounded down, so the shares never add up past ``left``
+        share = {i: min(tables[i].num_embeddings, left * tables[i].num_embeddings // free_bytes) for i in free}
+        low = {i for i in free if share[i] < minimum[i]}
+        if not low:
+            return {**share, **{i: minimum[i] for i in floor}}
+        floor |= low
 
 
 def format_plan(
