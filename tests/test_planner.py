@@ -250,6 +250,32 @@ def test_cost_terms_follow_the_documented_formulas() -> None:
     assert sgd.estimate(t, "table_wise", 1).hbm[0] == t.rows * 32 * 4
 
 
+def test_codec_row_bytes_count_in_the_all_to_all_cost() -> None:
+    """fp8 and int8 send a scale (int8 also a min) with every row: the planner charges it once per pooled row,
+    so a narrow column block pays it in full."""
+    from recstack.distributed.codecs import get_codec
+
+    for name, elem in cli.ELEMENT_BYTES.items():  # the CLI's figures are the codecs' own payload sizes
+        assert get_codec(name).payload_bytes((3, 5)) == 3 * (5 * elem + cli.CODEC_ROW_BYTES[name]), name
+    B, W, L = 512, 8, 4
+    G = B * W
+    topo = Topology(2, 4, intra_bw=100e9, inter_bw=10e9)
+    int8 = CostModel(topo, B, CostConfig(fwd_comm_bytes=1, bwd_comm_bytes=1, fwd_row_bytes=8, bwd_row_bytes=8))
+    t = TableSpec("t", 100_000, 16)
+
+    def link(x):
+        return (L - 1) * x / 100e9 + (W - L) * x / 10e9
+
+    cw = int8.estimate(t, "column_wise", 2)  # blocks of 8 columns: 8 code bytes + 8 header bytes per row
+    assert _term(cw, "output_dist")[0] == pytest.approx(link(B * 16))
+    assert _term(cw, "grad_dist")[0] == pytest.approx(link(B * 16))
+    trw = int8.estimate(t, "table_row_wise", 4)
+    assert _term(trw, "output_dist")[0] == pytest.approx(3 / 4 * G * (16 + 8) / 100e9 + link(B * (16 / 4 + 8)))
+    plan = _run_cli(["--synthetic-tables", "2", "--rows", "1000", "--dim", "16", "--topology", "1x2",
+                     "--forward-codec", "int8", "--backward-codec", "fp8", "--time-limit", "0.5"])
+    assert (plan.cost["config"]["fwd_row_bytes"], plan.cost["config"]["bwd_row_bytes"]) == (8, 4)
+
+
 def test_row_access_splits_lookups_by_histogram() -> None:
     uniform = TableSpec("u", 1000, 8)
     share, distinct = row_access(uniform, [(0, 250), (250, 1000)], 400.0)
@@ -287,6 +313,18 @@ def test_force_and_constraints() -> None:
         plan_sharding(tables, topo, 128, constraints={"zz": "table_wise"})
     with pytest.raises(PlanError, match="unknown sharding"):
         plan_sharding(tables, topo, 128, force="rows")
+
+
+def test_table_of_an_always_empty_feature_is_planned() -> None:
+    """Pooling 0 (a feature with no ids in the data) still leaves a table to place and bag lengths to send."""
+    tables = [TableSpec("empty", 1000, 16, pooling=0.0), TableSpec("a", 100_000, 16)]
+    plan = plan_sharding(tables, Topology(1, 2), 256, time_limit_s=0.5)
+    plan.validate(2, tables)
+    est = CostModel(Topology(1, 2), 256).estimate(tables[0], "table_wise", 1)
+    assert np.isfinite(est.cost).all() and _term(est, "input_dist")[0] > 0
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(PlanError, match="'pooling' must be a non-negative number"):
+            TableSpec("x", 10, 4, pooling=bad)
 
 
 def test_small_tables_replicate_and_large_tables_split_when_memory_demands() -> None:
@@ -342,6 +380,9 @@ def test_units() -> None:
     assert cli.parse_rate("12.5GB/s") == 12.5e9
     assert cli.parse_rate("200Gb/s") == 25e9
     assert cli.parse_count("94M") == 94_000_000 and cli.parse_count("1.5B") == 1_500_000_000
+    # exact decimals: in binary floats 4.1 * 1e6 is 4099999.9999999995 (refused as a count, 1 byte short as a size)
+    assert cli.parse_count("4.1M") == 4_100_000 and cli.parse_count("2.3M") == 2_300_000
+    assert cli.parse_size("4.1MB") == 4_100_000 and cli.parse_rate("0.7GB/s") == 0.7e9
     assert cli.parse_topology("16x8") == (16, 8)
     for bad in ("80XB", "fast", "-1GB"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -372,6 +413,18 @@ def test_cli_synthetic_model_summarises_many_tables(capsys) -> None:
     assert len(plan.tables) == 60 and {t.sharding for t in plan.tables} == {"row_wise"}
     assert "the 5 costliest of 60 tables" in text and "per node" in text and "slowest ranks" in text
     assert max(plan.cost["hbm_bytes_per_rank"]) <= 2 * 10**9
+
+
+def test_cli_refuses_options_it_cannot_honour() -> None:
+    """An explicit --dim 0 is an error, not the default dim; --synthetic-tables needs at least one table."""
+    for argv, message in [
+        (["--synthetic-tables", "2", "--rows", "10", "--dim", "0"], "field 'dim' must be a positive integer, got 0"),
+        (["--tables", "criteo_kaggle", "--dim", "0"], "field 'dim' must be a positive integer, got 0"),
+        (["--synthetic-tables", "0", "--rows", "10"], "--synthetic-tables: must be at least 1, got 0"),
+        (["--synthetic-tables", "-3", "--rows", "10"], "--synthetic-tables: must be at least 1, got -3"),
+    ]:
+        with pytest.raises(PlanError, match=re.escape(message)):
+            _run_cli(argv)
 
 
 def test_cli_table_file_errors_name_file_line_and_field(tmp_path) -> None:

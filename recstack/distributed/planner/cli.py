@@ -10,6 +10,7 @@ import argparse
 import json
 import re
 import time
+from decimal import Decimal
 from pathlib import Path
 
 from recstack.distributed.planner.cost import OPTIMIZER_STATE_BYTES, CostConfig, CostModel
@@ -21,21 +22,29 @@ from recstack.distributed.sharding import SHARDING_TYPES
 NAMED_TABLES = {"criteo_kaggle": 16, "criteo_terabyte": 64}  # name -> DLRM reference dim (bench/*.sh)
 SYNTHETIC_DIM = 128
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+# Bytes a codec adds to every row it sends (recstack.distributed.codecs: fp8 keeps one fp32 scale per row,
+# int8 an fp32 min and scale); kept here so that planning does not import torch.
+CODEC_ROW_BYTES = {"fp32": 0, "fp16": 0, "bf16": 0, "fp8": 4, "int8": 8}
 _PREFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15,
            "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50}
 _QUANTITY = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([kmgtp]i?)?(b|bit|bits)?(/s|ps)?\s*", re.IGNORECASE)
 _COUNT = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
-def parse_bytes(text: str, rate: bool = False) -> float:
-    """'80GB' -> 8e10; '64GiB' -> 2**36; with ``rate``: '12.5GB/s' -> 1.25e10, '200Gb/s' -> 2.5e10."""
+def _parse_quantity(text: str, rate: bool) -> Decimal:
+    """Bytes (or bytes/s) as an exact decimal: '4.1MB' is 4,100,000 bytes, where binary floats give 4,099,999."""
     m = _QUANTITY.fullmatch(text)
     if not m or (m.group(4) and not rate):
         kind = "bandwidth like 12.5GB/s" if rate else "size like 80GB"
         raise argparse.ArgumentTypeError(f"{text!r} is not a {kind}")
-    value = float(m.group(1)) * _PREFIX[(m.group(2) or "").lower()]
+    value = Decimal(m.group(1)) * _PREFIX[(m.group(2) or "").lower()]
     bits = m.group(3) not in (None, "B")  # 'b', 'bit', 'bits': network gear is sold in bits
     return value / 8 if bits else value
+
+
+def parse_bytes(text: str, rate: bool = False) -> float:
+    """'80GB' -> 8e10; '64GiB' -> 2**36; with ``rate``: '12.5GB/s' -> 1.25e10, '200Gb/s' -> 2.5e10."""
+    return float(_parse_quantity(text, rate))
 
 
 def parse_rate(text: str) -> float:
@@ -43,7 +52,7 @@ def parse_rate(text: str) -> float:
 
 
 def parse_size(text: str) -> int:
-    return int(parse_bytes(text))
+    return int(_parse_quantity(text, rate=False))
 
 
 def parse_count(text: str) -> int:
@@ -51,7 +60,7 @@ def parse_count(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([kmbgt]?)\s*", text, re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count like 94M")
-    value = float(m.group(1)) * _COUNT[m.group(2).lower()]
+    value = Decimal(m.group(1)) * _COUNT[m.group(2).lower()]  # exact: 4.1M is whole, 4.1 * 1e6 in floats is not
     if value != int(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
     return int(value)
@@ -109,23 +118,29 @@ def _element_lines(text: str) -> list[int]:
 
 def build_tables(args: argparse.Namespace) -> list[TableSpec]:
     pooling = args.pooling if args.pooling is not None else 1.0
+
+    def dim_or(default: int) -> int:  # an explicit --dim 0 is checked by TableSpec, not replaced by the default
+        return args.dim if args.dim is not None else default
+
     if args.synthetic_tables is not None:
         if args.tables or args.rows is None:
             raise PlanError("--synthetic-tables N needs --rows R (and no --tables)")
-        dim = args.dim or SYNTHETIC_DIM
+        if args.synthetic_tables < 1:
+            raise PlanError(f"--synthetic-tables: must be at least 1, got {args.synthetic_tables}")
+        dim = dim_or(SYNTHETIC_DIM)
         specs = [TableSpec(f"t{i}", args.rows, dim, pooling) for i in range(args.synthetic_tables)]
     elif args.tables in NAMED_TABLES:
         from recstack.data.criteo import KAGGLE_CARDINALITIES, SPARSE_NAMES, TERABYTE_CARDINALITIES
 
         sizes = KAGGLE_CARDINALITIES if args.tables == "criteo_kaggle" else TERABYTE_CARDINALITIES
-        dim = args.dim or NAMED_TABLES[args.tables]
+        dim = dim_or(NAMED_TABLES[args.tables])
         specs = [TableSpec(n, r, dim, pooling) for n, r in zip(SPARSE_NAMES, sizes, strict=True)]
     elif args.tables and (Path(args.tables) / "meta.json").is_file():  # a prepared data set: one table each
         from recstack.data.format import PreparedDataset
 
         ds = PreparedDataset(args.tables)
         sizes = dict(zip(ds.table_names, ds.table_sizes, strict=True))
-        specs = [TableSpec(name, rows, args.dim or 16, args.pooling or 1.0) for name, rows in sizes.items()]
+        specs = [TableSpec(name, rows, dim_or(16), pooling) for name, rows in sizes.items()]
     elif args.tables:
         specs = load_table_file(args.tables, args.dim, args.pooling)
     else:
@@ -211,7 +226,9 @@ def run(args: argparse.Namespace) -> ShardingPlan:
     nodes, devices = args.topology
     topology = Topology(nodes, devices, args.hbm, args.ddr, args.intra_bw, args.inter_bw, args.hbm_bw)
     config = CostConfig(weight_bytes=ELEMENT_BYTES[args.weight_dtype], fwd_comm_bytes=ELEMENT_BYTES[args.forward_codec],
-                        bwd_comm_bytes=ELEMENT_BYTES[args.backward_codec], optimizer=args.optimizer)
+                        bwd_comm_bytes=ELEMENT_BYTES[args.backward_codec], optimizer=args.optimizer,
+                        fwd_row_bytes=CODEC_ROW_BYTES[args.forward_codec],
+                        bwd_row_bytes=CODEC_ROW_BYTES[args.backward_codec])
     t1 = time.perf_counter()
     plan = plan_sharding(tables, topology, args.batch_size, config=config, constraints=_constraints(args.constraint),
                          force=args.force_sharding, min_column_dim=args.min_column_dim, time_limit_s=args.time_limit)

@@ -6,7 +6,9 @@ and receives a fraction f of the table's ids (1 for table-wise and column-wise; 
 of ``access_counts``, or rows_s / R when ids are uniform); u is the expected number of distinct rows it sees
 per step. Element sizes in bytes (:class:`CostConfig`): w weight (4, fp32), s optimizer state per row
 (row-wise Adagrad keeps one fp32 per row: 4; SGD none: 0), i id (8, int64), a / g one element of the
-forward / backward all-to-all (4 for fp32; 2 with the fp16 / bf16 codecs). Bandwidths (bytes/s) come from
+forward / backward all-to-all (4 for fp32; 2 with the fp16 / bf16 codecs; 1 with fp8 / int8) and h_a / h_g
+the bytes the codec adds to every row it sends (0; fp8 one fp32 scale: 4; int8 min and scale: 8), so a row
+of c columns is c*a + h_a bytes. Bandwidths (bytes/s) come from
 :class:`Topology`: ``hbm_bw`` device memory, ``intra_bw`` per-device link inside a node, ``inter_bw`` each
 device's share of the network between nodes.
 
@@ -17,15 +19,16 @@ Terms for a model-parallel shard (table_wise, column_wise, row_wise, table_row_w
     input_dist  = link(B * (P*f + 1) * i)         ids of its rows plus one bag length per sample, per peer;
                                                   every column block needs all ids: k times the id traffic
     lookup      = G * (P*f + 1) * c * w / hbm_bw  read P*f rows per sample, write the pooled [G, c]
-    output_dist = link(B * c * a)                 each peer's pooled [B, c]; row shards send partial sums
+    output_dist = link(B * (c*a + h_a))           each peer's pooled [B, c]; row shards send partial sums
                                                   of the full width D, so k row shards move k times the
                                                   bytes of one table-wise table
-    grad_dist   = link(B * c * g)                 the gradients of those outputs, back to the shard
+    grad_dist   = link(B * (c*g + h_g))           the gradients of those outputs, back to the shard
     backward    = (G*(P*f + 1)*c*w + u*(2*c*w + 2*s)) / hbm_bw
                                                   read output grads, accumulate them per id, read + write
                                                   each touched row and its optimizer state (fused update)
 table_row_wise (k ranks of one node) first reduce-scatters the partial sums inside the node,
-(k-1)/k * G * D * a / intra_bw, then each shard sends its 1/k of the summed outputs: link(B * D * a / k).
+(k-1)/k * G * (D*a + h_a) / intra_bw, then each shard sends its 1/k of the summed outputs:
+link(B * (D*a/k + h_a)).
 Across nodes the table thus moves what one table-wise shard would, spread over k ranks; gradients mirror it
 (an all-gather inside the node).
 
@@ -73,13 +76,17 @@ OPTIMIZER_STATE_BYTES = {"sgd": 0, "rowwise_adagrad": 4}  # per row and shard
 
 @dataclass(frozen=True)
 class CostConfig:
-    """Element sizes in bytes and the sparse optimizer (its per-row state is stored with each shard)."""
+    """Element sizes in bytes and the sparse optimizer (its per-row state is stored with each shard).
+    ``fwd_row_bytes`` / ``bwd_row_bytes``: what the all-to-all codec adds to every row (fp8's scale, int8's
+    min and scale), on top of ``*_comm_bytes`` per element."""
 
     weight_bytes: int = 4
     fwd_comm_bytes: int = 4
     bwd_comm_bytes: int = 4
     index_bytes: int = 8
     optimizer: str = "rowwise_adagrad"
+    fwd_row_bytes: int = 0
+    bwd_row_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
@@ -87,6 +94,9 @@ class CostConfig:
         for name in ("weight_bytes", "fwd_comm_bytes", "bwd_comm_bytes", "index_bytes"):
             if getattr(self, name) <= 0:
                 raise PlanError(f"cost config: {name} must be positive")
+        for name in ("fwd_row_bytes", "bwd_row_bytes"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"cost config: {name} must be non-negative")
 
     @property
     def state_bytes(self) -> int:
@@ -170,11 +180,12 @@ class CostModel:
             blocks, cols = row_blocks(R, k), D
         share, touched = row_access(table, blocks, G * P)  # [k], [k]
         rows = np.array([hi - lo for lo, hi in blocks], dtype=np.int64)
+        codecs = ((cfg.fwd_comm_bytes, cfg.fwd_row_bytes), (cfg.bwd_comm_bytes, cfg.bwd_row_bytes))
         if sharding == "table_row_wise":
-            fwd, bwd = (self.reduce_in_node(G * D * nbytes, k) + self.link(B * D * nbytes / k)
-                        for nbytes in (cfg.fwd_comm_bytes, cfg.bwd_comm_bytes))
-        else:
-            fwd, bwd = self.link(B * cols * cfg.fwd_comm_bytes), self.link(B * cols * cfg.bwd_comm_bytes)
+            fwd, bwd = (self.reduce_in_node(G * (D * nbytes + head), k) + self.link(B * (D * nbytes / k + head))
+                        for nbytes, head in codecs)
+        else:  # a codec's per-row bytes count once per pooled row, however narrow the column block
+            fwd, bwd = (self.link(B * (cols * nbytes + head)) for nbytes, head in codecs)
         terms = _terms(
             k,
             input_dist=self.link(B * (P * share + 1) * cfg.index_bytes),

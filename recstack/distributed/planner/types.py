@@ -101,7 +101,8 @@ class Topology:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One embedding table. ``pooling`` is the mean number of ids per sample (1.0 for one-hot features).
+    """One embedding table. ``pooling`` is the mean number of ids per sample (1.0 for one-hot features; 0 for
+    a feature that is always empty: the table still needs a place, and its bags still travel, empty).
 
     ``access_counts`` (optional) is a histogram of lookups over equal row ranges: entry j counts the ids
     that fall in rows [j*rows/n, (j+1)*rows/n). It tells the cost model how lookups split between row
@@ -122,8 +123,9 @@ class TableSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise PlanError(f"{where}: field '{name}' must be a positive integer, got {value!r}")
-        if isinstance(self.pooling, bool) or not isinstance(self.pooling, int | float) or not self.pooling > 0:
-            raise PlanError(f"{where}: field 'pooling' must be a positive number, got {self.pooling!r}")
+        if (isinstance(self.pooling, bool) or not isinstance(self.pooling, int | float)
+                or not 0 <= self.pooling < math.inf):
+            raise PlanError(f"{where}: field 'pooling' must be a non-negative number, got {self.pooling!r}")
         if self.access_counts is not None:
             counts = tuple(self.access_counts)
             if not counts or any(isinstance(c, bool) or not isinstance(c, int | float) or not c >= 0
