@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard recstack/compression/_eb*.[ch])
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/recstack train --config configs/demo.toml --output-dir runs/demo
+	$(VENV)/bin/recstack train --config configs/demo.toml --output-dir runs/demo --overwrite
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check recstack bench tests

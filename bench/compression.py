@@ -80,7 +80,7 @@ def capture(name: str, spec: dict[str, Any], work: Path) -> Path:
             subprocess.run([sys.executable, "-m", "recstack", "data", "prepare", str(spec["prepare"]), "--out",
                             str(data), "--overwrite"], check=True, capture_output=True)
         overrides.append(f'data.train="{data}"')
-    cmd = [sys.executable, "-m", "recstack", "train", "--output-dir", str(work / name / "run"),
+    cmd = [sys.executable, "-m", "recstack", "train", "--output-dir", str(work / name / "run"), "--overwrite",
            "--dump-a2a", str(out), "--dump-steps", f"1,{spec['steps']}"]
     for o in overrides:
         cmd += ["--set", o]

@@ -58,7 +58,8 @@ def save_checkpoint(
     keep: int = 0,
     files: dict[str, Callable[[Path], None]] | None = None,
 ) -> Path:
-    """Write ``state`` atomically as ``ckpt_<step>.pt``; keep only the newest ``keep`` (0 = all).
+    """Write ``state`` atomically as ``ckpt_<step>.pt``; keep only ``keep`` (0 = all): this one and the newest
+    ``keep - 1`` others.
 
     With ``files`` ({relative path: writer}), the checkpoint is the directory ``ckpt_<step>/``: each writer is
     called with the path it must create inside it, then ``state.pt`` is written last.
@@ -97,7 +98,10 @@ def save_checkpoint(
             os.replace(tmp, final)
     _fsync_dir(directory)
     if keep > 0:
-        for old_ckpt in list_checkpoints(directory)[:-keep]:
+        # The one just written always stays, even when a stale one has a higher step (a run resumed from an
+        # earlier checkpoint because the newest did not load): pruning by step alone would delete it.
+        others = [p for p in list_checkpoints(directory) if p != final]
+        for old_ckpt in others[: max(len(others) - (keep - 1), 0)]:
             if old_ckpt.is_dir():
                 shutil.rmtree(old_ckpt, ignore_errors=True)
             else:

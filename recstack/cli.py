@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -24,7 +26,9 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         data, rows, what = evaluation_rows(cfg, args.checkpoint)
     print(f"evaluating {what}", file=sys.stderr)
     result = evaluate(cfg, model, data, args.batch_size, rows)
-    print(json.dumps({**result, "data": str(data.path), "rows": list(rows)}, indent=2))
+    # An undefined metric (AUC of a one-class or empty set) is null: JSON has no NaN.
+    result = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
+    print(json.dumps({**result, "data": str(data.path), "rows": list(rows)}, indent=2, allow_nan=False))
 
 
 def _cmd_predict(args: argparse.Namespace) -> None:
@@ -33,18 +37,24 @@ def _cmd_predict(args: argparse.Namespace) -> None:
     from recstack.data.format import PreparedDataset
     from recstack.inference import load_model, predict_logits
 
+    out = Path(args.out)
+    if out.suffix not in (".npy", ".csv"):
+        raise ValueError(f"--out {out}: expected a .npy or .csv file name")
+    if out.exists() and not args.overwrite:  # checked before the (long) scoring
+        raise FileExistsError(f"--out {out} exists (pass --overwrite to replace it)")
     cfg, model = load_model(args.checkpoint)
     logits, labels = predict_logits(cfg, model, PreparedDataset(args.data), args.batch_size)
     prob = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".npy":
-        np.save(out, prob.astype(np.float32))
-    else:  # CSV: row, score, label
-        with open(out, "w") as f:
-            f.write("row,score,label\n")
-            for i, (p, y) in enumerate(zip(prob, labels, strict=True)):
-                f.write(f"{i},{p:.7g},{int(y)}\n")
+    # Written beside the target and renamed over it: an interrupted run leaves no file with rows missing.
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        if out.suffix == ".npy":
+            np.save(f, prob.astype(np.float32))
+        else:  # CSV: row, score, label
+            f.write(b"row,score,label\n")
+            f.writelines(f"{i},{p:.7g},{int(y)}\n".encode() for i, (p, y) in enumerate(zip(prob, labels, strict=True)))
+    os.replace(tmp, out)
     print(f"wrote {len(prob)} scores to {out}")
 
 
@@ -101,6 +111,17 @@ def _cmd_train(args: argparse.Namespace) -> None:
     train_cmd.run(args)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="recstack", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -118,9 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--data", required=name == "predict",
                        help="prepared data directory" + ("" if name == "predict" else " (default: the rows the "
                              "run evaluated on: data.eval, else the held-out tail of its training set)"))
-        e.add_argument("--batch-size", type=int, default=16384)
+        e.add_argument("--batch-size", type=_positive_int, default=16384)
         if name == "predict":
             e.add_argument("--out", required=True, help="scores file: .npy (probabilities) or .csv")
+            e.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
         e.set_defaults(func=func)
 
     data = sub.add_parser("data", help="prepare or generate data sets").add_subparsers(dest="data_command",
@@ -178,10 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recstack {args.command}: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        if type(e).__name__ != "PeerFailure":
+        from recstack.checkpoint import CheckpointError
+
+        # An unreadable checkpoint is bad input like a bad config (2); a failed peer is 3; others are bugs.
+        code = 2 if isinstance(e, CheckpointError) else 3 if type(e).__name__ == "PeerFailure" else None
+        if code is None:
             raise
         print(f"recstack {args.command}: error: {e}", file=sys.stderr)
-        return 3
+        return code
     return 0
 
 

@@ -27,13 +27,23 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
         ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         state = latest_checkpoint(ckpt_dir, device)
         if state is None:
-            raise FileNotFoundError(f"{path}: no loadable checkpoint")
+            sharded = sorted(p.name for p in ckpt_dir.glob("step_*") if p.is_dir())
+            why = (f" (it holds only sharded torchrun checkpoints, {sharded[-1]} the newest; eval and predict read "
+                   "single-process ones, ckpt_<step>.pt)" if sharded else "")
+            raise FileNotFoundError(f"{path}: no loadable checkpoint{why}")
     else:
         state = load_checkpoint(path, device)
+    where = state.get("path", str(path))
+    missing = [k for k in ("config", "num_dense", "table_sizes", "model") if k not in state]
+    if missing:  # e.g. an ExFM stream's checkpoint
+        raise ValueError(f"{where}: not a single-process recstack train checkpoint (no {', '.join(missing)})")
     cfg = config_from_dict(state["config"])
     # Placement notes to stderr: stdout is the JSON of `recstack eval`.
     model = build_model(cfg, state["num_dense"], state["table_sizes"], device, state.get("table_names"), sys.stderr)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:  # missing (a sharded run's trainer.pt has no tables), unexpected or reshaped
+        raise ValueError(f"{where}: its weights do not fit the model its config describes: {e}") from e
     restore = getattr(model.embeddings, "restore_files", None)
     if restore is not None:  # cached embedding tiers: their rows are files beside the checkpoint's state
         restore(state.get("checkpoint_dir"))

@@ -7,6 +7,7 @@ A single process writes ``ckpt_<step>.pt`` (or ``ckpt_<step>/`` with memory tier
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,38 @@ import torch
 from recstack.checkpoint import _NAME, latest_checkpoint, list_checkpoints
 from recstack.config import ConfigError
 from recstack.data.loader import BatchLoader, LoaderPosition
+from recstack.logger import METRICS_FILE, TB_DIR
+
+# What a run writes into its --output-dir that a later run into the same directory would mix with its own
+# (generated data under data/ is a cache keyed by its options and stays).
+RUN_OUTPUTS = ("checkpoints", METRICS_FILE, TB_DIR, "summary.json", "curves.png", "comm_breakdown.png")
+
+
+def claim_output_dir(output_dir: Path, overwrite: bool, is_main: bool) -> None:
+    """Make ``output_dir`` safe for a run that starts from step 0 (no ``--resume``).
+
+    An earlier run's outputs there would mix with this run's: metrics.jsonl would hold both runs' steps, and its
+    checkpoints beyond this run's steps would outlive this run's and be the ones ``--resume`` and ``recstack
+    eval`` pick. Without ``overwrite`` that is a ConfigError (raised on every rank alike, so none waits for the
+    others); with it the main rank removes the earlier outputs first."""
+    ckpt_dir = output_dir / "checkpoints"
+    earlier = [p for p in ckpt_dir.glob("*") if p.name.startswith(("ckpt_", "step_"))]
+    metrics = output_dir / METRICS_FILE
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        earlier.append(metrics)
+    if not earlier:
+        return
+    if not overwrite:
+        names = ", ".join(str(p.relative_to(output_dir)) for p in sorted(earlier)[-3:])
+        raise ConfigError(f"{output_dir} holds an earlier run ({names}): pass --resume to continue it, "
+                          "--overwrite to replace it, or train into another --output-dir")
+    if is_main:
+        for name in RUN_OUTPUTS:
+            path = output_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
 
 
 def step_of(checkpoint: Path) -> int:

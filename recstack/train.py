@@ -14,13 +14,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a config value, e.g. --set model.embedding_dim=32 (repeatable)")
     p.add_argument("--output-dir", help="metrics.jsonl, summary.json, TensorBoard, checkpoints, curves.png")
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an --output-dir that holds an earlier run (its checkpoints and metrics "
+                        "are removed)")
 
 
 def run(args: argparse.Namespace) -> dict:
     from recstack.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
-    trainer = Trainer(cfg, args.output_dir, resume=args.resume)
+    trainer = Trainer(cfg, args.output_dir, resume=args.resume, overwrite=args.overwrite)
     summary = trainer.train()
     if not trainer.is_main:
         return summary

@@ -33,7 +33,7 @@ from recstack.lr_schedule import LRScaler, LRSchedule
 from recstack.metrics import BinaryMetrics, auc
 from recstack.models.build import build_dense_optimizer, build_model, capped_table_sizes
 from recstack.models.dlrm import DLRM
-from recstack.resume import convert_embedding_layout, find_resume_state, rebatched_position
+from recstack.resume import claim_output_dir, convert_embedding_layout, find_resume_state, rebatched_position
 
 
 def resolve_device(name: str) -> torch.device:
@@ -124,7 +124,10 @@ def _synthesize(cfg: Config, path: Path) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, output_dir: str | Path | None = None, resume: bool = False) -> None:
+    def __init__(self, cfg: Config, output_dir: str | Path | None = None, resume: bool = False,
+                 overwrite: bool = False) -> None:
+        """``resume``: continue from the newest checkpoint in ``output_dir``; otherwise the run starts at step 0,
+        and an earlier run's checkpoints and metrics there are an error unless ``overwrite`` removes them."""
         self.cfg = cfg
         t = cfg.train
         if t.threads > 0:
@@ -138,6 +141,10 @@ class Trainer:
             self.rank, self.world, self.device = init_distributed(cfg.dist.timeout_s)
         self.is_main = self.rank == 0
         self.output_dir = Path(output_dir) if output_dir else None
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            resume = True  # torchrun --max-restarts started us again after a failure: continue, do not redo
+        if self.output_dir and not resume:
+            claim_output_dir(self.output_dir, overwrite, self.is_main)
         if self.output_dir and self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -195,8 +202,6 @@ class Trainer:
         self.samples = 0
         self.train_seconds = 0.0
         self.ckpt_dir = self.output_dir / "checkpoints" if self.output_dir else None
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            resume = True  # torchrun --max-restarts started us again after a failure: continue, do not redo
         if resume:
             self._resume()
         # A resumed run drops what the stopped run logged after its checkpoint (it is about to be redone).

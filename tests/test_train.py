@@ -126,6 +126,45 @@ def test_corrupt_newest_checkpoint_is_skipped(tiny_dataset: Path, tmp_path: Path
     assert t.step == 20
 
 
+def test_pruning_keeps_the_checkpoint_just_written(tmp_path: Path) -> None:
+    """A run resumed from an older checkpoint (the newest did not load) writes steps below a stale one; with
+    train.keep_checkpoints the new checkpoints must stay and the stale one go, not the other way round."""
+    from recstack.checkpoint import latest_checkpoint, save_checkpoint
+
+    for step in (10, 20):
+        save_checkpoint(tmp_path, step, {"x": step}, keep=1)
+    stale = save_checkpoint(tmp_path, 30, {"x": 30}, keep=1)
+    stale.write_bytes(stale.read_bytes()[:100])  # torn: a resume continues from step 20 ...
+    assert [p.name for p in list_checkpoints(tmp_path)] == [stale.name]  # (keep=1: 20 is gone, it restarts)
+    written = save_checkpoint(tmp_path, 10, {"x": 10}, keep=1)
+    assert list_checkpoints(tmp_path) == [written]
+    assert latest_checkpoint(tmp_path)["x"] == 10
+    save_checkpoint(tmp_path, 20, {"x": 20}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt_000000010.pt", "ckpt_000000020.pt"]
+
+
+def test_a_fresh_run_does_not_mix_with_an_earlier_one(tiny_dataset: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """A run without --resume into a directory that holds an earlier run is refused (its steps would
+    interleave in metrics.jsonl and its later checkpoints would be the ones --resume and eval pick); with
+    --overwrite the earlier run's outputs are gone and the directory holds exactly this run's."""
+    base = ["--output-dir", str(tmp_path), "--set", f'data.train="{tiny_dataset}"',
+            *sum((["--set", o] for o in [*SMALL, "train.checkpoint_every=20", "train.log_every=10"]), [])]
+    assert main(["train", *base, "--set", "train.max_steps=60"]) == 0
+    assert main(["train", *base, "--set", "train.max_steps=40"]) == 2
+    err = capsys.readouterr().err
+    assert "holds an earlier run" in err and "checkpoints/ckpt_" in err and "--overwrite" in err
+    assert max(r[0] for r in _records(tmp_path / "metrics.jsonl")) == 60  # the earlier run is untouched
+    assert main(["train", *base, "--set", "train.max_steps=40", "--overwrite"]) == 0
+    assert [r[0] for r in _records(tmp_path / "metrics.jsonl") if r[1] == "train"] == [10, 20, 30, 40]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["ckpt_000000020.pt", "ckpt_000000040.pt"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 40
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path)]) == 0  # scores this run's last model, not step 60's
+    assert json.loads(capsys.readouterr().out)["auc"] == pytest.approx(summary["auc"], abs=1e-6)
+
+
 def test_eval_and_predict_cli(tiny_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     s = _train(tiny_dataset, tmp_path, ["train.max_steps=30", f'data.eval="{tiny_dataset}"'])
     assert main(["eval", "--checkpoint", str(tmp_path), "--data", str(tiny_dataset)]) == 0
@@ -137,6 +176,67 @@ def test_eval_and_predict_cli(tiny_dataset: Path, tmp_path: Path, capsys: pytest
                  "--out", str(tmp_path / "p.npy")]) == 0
     p = np.load(tmp_path / "p.npy")
     assert p.shape == (20000,) and ((p > 0) & (p < 1)).all()
+
+
+def test_eval_of_a_one_class_set_prints_valid_json(tiny_dataset: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """AUC and NE are undefined without both classes: null, as in summary.json, never the non-JSON NaN."""
+    import shutil
+
+    _train(tiny_dataset, tmp_path / "run", ["train.max_steps=10"])
+    negatives = tmp_path / "negatives"
+    shutil.copytree(tiny_dataset, negatives)
+    np.zeros(20000, np.float32).tofile(negatives / "labels.bin")
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--data", str(negatives)]) == 0
+    out = capsys.readouterr().out
+    evaluated = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert evaluated["auc"] is None and evaluated["ne"] is None and evaluated["calibration"] is None
+    assert evaluated["num_examples"] == 20000 and evaluated["ctr"] == 0.0
+
+
+def test_eval_and_predict_report_bad_input_without_a_traceback(tiny_dataset: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    _train(tiny_dataset, tmp_path / "run", ["train.max_steps=10"])
+    run, data = str(tmp_path / "run"), str(tiny_dataset)
+    torn = tmp_path / "torn.pt"
+    torn.write_bytes((tmp_path / "run" / "checkpoints" / "ckpt_000000010.pt").read_bytes()[:1000])
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"model": {}, "complete": True}, foreign)  # loads, but holds no training run
+    for checkpoint, message in ((torn, "cannot be loaded"), (tmp_path / "missing.pt", "No such file"),
+                                (foreign, "not a single-process recstack train checkpoint")):
+        capsys.readouterr()
+        assert main(["eval", "--checkpoint", str(checkpoint), "--data", data]) == 2
+        assert message in capsys.readouterr().err
+    for bad in ("0", "-5"):
+        with pytest.raises(SystemExit):
+            main(["predict", "--checkpoint", run, "--data", data, "--out", str(tmp_path / "p.npy"),
+                  "--batch-size", bad])
+        assert "--batch-size: must be at least 1" in capsys.readouterr().err
+    assert main(["predict", "--checkpoint", run, "--data", data, "--out", str(tmp_path / "p.npz")]) == 2
+    assert "expected a .npy or .csv" in capsys.readouterr().err and not (tmp_path / "p.npz").exists()
+
+
+def test_predict_keeps_row_order_and_does_not_overwrite(tiny_dataset: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """Every row once, in data order, whatever the batch size (a last short batch too); an existing --out is
+    replaced only with --overwrite, and never left half written."""
+    _train(tiny_dataset, tmp_path / "run", ["train.max_steps=10"])
+    common = ["predict", "--checkpoint", str(tmp_path / "run"), "--data", str(tiny_dataset)]
+    csv = tmp_path / "p.csv"
+    assert main([*common, "--out", str(csv), "--batch-size", "3000"]) == 0  # 6 full batches and 2000 rows
+    rows = np.loadtxt(csv, delimiter=",", skiprows=1)
+    labels = np.fromfile(tiny_dataset / "labels.bin", np.float32)
+    assert np.array_equal(rows[:, 0], np.arange(20000)) and np.array_equal(rows[:, 2], labels)
+    csv.write_text("kept\n")
+    assert main([*common, "--out", str(csv)]) == 2
+    assert "exists (pass --overwrite" in capsys.readouterr().err and csv.read_text() == "kept\n"
+    assert main([*common, "--out", str(csv), "--overwrite", "--batch-size", "7"]) == 0
+    again = np.loadtxt(csv, delimiter=",", skiprows=1)
+    assert np.allclose(again[:, 1], rows[:, 1], rtol=1e-6, atol=0) and np.array_equal(again[:, 2], labels)
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["p.csv", "run"]  # no temporary file left
 
 
 def test_config_errors_name_the_key(tmp_path: Path) -> None:
