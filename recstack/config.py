@@ -69,8 +69,9 @@ class OptimConfig:
     sparse_lr: float = 0.1
     eps: float = 1e-8
     adagrad_init: float = 0.0
-    # Both learning rates x a schedule (recstack.lr_schedule): linear warm-up from 0 over lr_warmup_steps, then
-    # from lr_decay_start_step a quadratic decay to 0 over lr_decay_steps (0 = none), as the DLRM reference.
+    # Both learning rates x a schedule (recstack.lr_schedule): linear warm-up over lr_warmup_steps (the first update
+    # at 1/lr_warmup_steps), then from lr_decay_start_step a quadratic decay to 0 over lr_decay_steps (0 = none), as
+    # the DLRM reference.
     lr_warmup_steps: int = 0
     lr_decay_start_step: int = 0
     lr_decay_steps: int = 0

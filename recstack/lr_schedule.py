@@ -1,6 +1,6 @@
 """Learning-rate warm-up and decay for the dense and the embedding optimizers together, as the DLRM
 reference's ``--lr-num-warmup-steps / --lr-decay-start-step / --lr-num-decay-steps`` (used by its large-batch
-Terabyte runs): linear warm-up from 0, constant, then a quadratic decay to 0.
+Terabyte runs): linear warm-up, constant, then a quadratic decay to 0.
 
 The factor is a pure function of the step about to run, so a resumed run continues the schedule exactly
 (the step counter is in every checkpoint) and no state needs saving.
@@ -17,12 +17,14 @@ from recstack.embedding.collection import EmbeddingCollection
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """Step s (0 = the first update) trains at ``lr * factor(s)``:
+    """Step s (0 = the first update) trains at ``lr * factor(s)``. The reference evaluates its policy at torch's
+    scheduler step count, which is already 1 at the first update (an ``_LRScheduler`` steps once when it is
+    made, then once after every update), so with k = s + 1:
 
-    - s < warmup_steps: s / warmup_steps (the first update has factor 0, as in the reference);
-    - decay_start_step <= s < decay_start_step + decay_steps: ((decay_steps - (s - start)) / decay_steps) ** 2;
-    - s >= decay_start_step + decay_steps (when decay_steps > 0): 0;
-    - otherwise 1.
+    - k < warmup_steps: k / warmup_steps (the first update has factor 1 / warmup_steps, as in the reference);
+    - decay_start_step <= k < decay_start_step + decay_steps: ((decay_steps - (k - start)) / decay_steps) ** 2;
+    - k >= decay_start_step + decay_steps (when decay_steps > 0): 0 (the reference keeps its last decayed rate);
+    - otherwise 1 (the reference keeps its last warm-up rate there when decay_steps > 0).
     """
 
     warmup_steps: int = 0
@@ -42,10 +44,11 @@ class LRSchedule:
         return self.warmup_steps > 0 or self.decay_steps > 0
 
     def factor(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return step / self.warmup_steps
-        if self.decay_steps and step >= self.decay_start_step:
-            left = self.decay_steps - (step - self.decay_start_step)
+        k = step + 1  # the reference's scheduler step count at update ``step``
+        if k < self.warmup_steps:
+            return k / self.warmup_steps
+        if self.decay_steps and k >= self.decay_start_step:
+            left = self.decay_steps - (k - self.decay_start_step)
             return (left / self.decay_steps) ** 2 if left > 0 else 0.0
         return 1.0
 

@@ -18,15 +18,31 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=[32, 8]", "model.top_mlp=[32
          "optim.dense_lr=0.01"]
 
 
-def _reference_factor(step: int, warmup: int, decay_start: int, decay_steps: int) -> float:
-    """The DLRM reference's policy written out case by case."""
-    if step < warmup:
-        return 1.0 - (warmup - step) / warmup
-    if decay_start <= step < decay_start + decay_steps:
-        return ((decay_steps - (step - decay_start)) / decay_steps) ** 2
-    if decay_steps > 0 and step >= decay_start + decay_steps:
+def _policy(count: int, warmup: int, decay_start: int, decay_steps: int) -> float:
+    """The DLRM reference's policy written out case by case, at its scheduler step count (1 = first update)."""
+    if count < warmup:
+        return 1.0 - (warmup - count) / warmup
+    if decay_start <= count < decay_start + decay_steps:
+        return ((decay_steps - (count - decay_start)) / decay_steps) ** 2
+    if decay_steps > 0 and count >= decay_start + decay_steps:
         return 0.0
     return 1.0
+
+
+def _reference_factor(step: int, warmup: int, decay_start: int, decay_steps: int) -> float:
+    """The factor of update ``step`` (0 = the first)."""
+    return _policy(step + 1, warmup, decay_start, decay_steps)
+
+
+class _ReferenceScheduler(torch.optim.lr_scheduler.LRScheduler):
+    """The policy read at torch's ``_step_count``, as the reference's scheduler does."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup: int, start: int, steps: int) -> None:
+        self.policy = (warmup, start, steps)
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [base * _policy(self._step_count, *self.policy) for base in self.base_lrs]
 
 
 @pytest.mark.parametrize(("warmup", "start", "steps"), [(0, 0, 0), (4, 0, 0), (4, 10, 4), (0, 0, 5), (3, 3, 7)])
@@ -35,7 +51,21 @@ def test_factors_follow_the_reference_policy(warmup: int, start: int, steps: int
     assert s.active == (warmup > 0 or steps > 0)
     for step in range(40):
         assert s.factor(step) == pytest.approx(_reference_factor(step, warmup, start, steps), abs=1e-15), step
-    assert LRSchedule(4, 10, 4).factor(0) == 0.0 and LRSchedule(4, 10, 4).factor(11) == 0.5625
+    assert LRSchedule(4, 10, 4).factor(0) == 0.25 and LRSchedule(4, 10, 4).factor(10) == 0.5625
+
+
+@pytest.mark.parametrize(("warmup", "start", "steps"), [(4, 4, 0), (4, 10, 4), (0, 0, 5), (3, 3, 7)])
+def test_update_s_trains_at_the_rate_a_torch_scheduler_gives_it(warmup: int, start: int, steps: int) -> None:
+    """The reference's loop: the scheduler is made (its step count becomes 1), then each update runs
+    ``optimizer.step(); scheduler.step()``. So the first update already trains at 1 / warmup, not at 0."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = _ReferenceScheduler(opt, warmup, start, steps)
+    s = LRSchedule(warmup, start, steps)
+    for step in range(20):
+        assert s.factor(step) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-15), step
+        opt.step()
+        sched.step()
 
 
 def _trainer(data: Path, out: Path | None, extra: list[str]) -> Trainer:
@@ -46,18 +76,19 @@ def _weights(t: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in t.model.state_dict().items() if "accumulator" not in k}
 
 
-@pytest.mark.parametrize("warmup", [0, 5])
-def test_the_first_warm_up_step_changes_no_weight(tiny_dataset: Path, warmup: int) -> None:
-    """Factor 0 at step 0 must reach the dense optimizer and the embedding tables alike."""
-    t = _trainer(tiny_dataset, None, ["train.max_steps=1", f"optim.lr_warmup_steps={warmup}"])
-    before = _weights(t)
-    t.train()
-    after = _weights(t)
-    changed = {k for k in before if not torch.equal(before[k], after[k])}
-    if warmup:
-        assert changed == set()
-    else:  # the control: one ordinary step moves the dense layers and the looked-up rows
-        assert {"embeddings.weight", "bottom.0.weight", "top.0.weight"} <= changed
+def test_the_first_warm_up_step_trains_at_one_over_warmup(tiny_dataset: Path) -> None:
+    """Factor 1/4 at step 0 must reach the dense optimizer and the embedding tables alike: Adam's and row-wise
+    Adagrad's first updates are linear in the learning rate, so every weight moves 1/4 as far as without."""
+    moves = []
+    for warmup in (0, 4):
+        t = _trainer(tiny_dataset, None, ["train.max_steps=1", f"optim.lr_warmup_steps={warmup}"])
+        before = _weights(t)
+        t.train()
+        moves.append({k: v - before[k] for k, v in _weights(t).items()})
+    plain, warm = moves
+    assert {"embeddings.weight", "bottom.0.weight", "top.0.weight"} <= {k for k, v in plain.items() if v.any()}
+    for k in plain:
+        torch.testing.assert_close(warm[k], plain[k] / 4, rtol=1e-3, atol=1e-7, msg=k)
 
 
 def test_decay_to_zero_freezes_the_model_and_factors_are_logged(tiny_dataset: Path, tmp_path: Path) -> None:
@@ -67,7 +98,7 @@ def test_decay_to_zero_freezes_the_model_and_factors_are_logged(tiny_dataset: Pa
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     factors = [x["lr_factor"] for x in lines if x["kind"] == "train"]
     assert factors == pytest.approx([_reference_factor(s, 4, 4, 4) for s in range(12)])
-    before = _weights(t)  # steps 8-11 ran at factor 0: one more such step changes nothing
+    before = _weights(t)  # steps 7-11 ran at factor 0: one more such step changes nothing
     t.lr.set_step(12)
     t.train_step(next(iter(t.train_loader.iterate_epoch(limit=1))))
     assert all(torch.equal(before[k], v) for k, v in _weights(t).items())
