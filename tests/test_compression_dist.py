@@ -162,6 +162,54 @@ def test_eb_is_available_by_name_and_checks_the_shape() -> None:
         codec.decode(payload, (3, 4))
 
 
+def test_fp8_scales_rows_by_their_finite_values() -> None:
+    """A NaN or Inf arrives as NaN without touching its row's other values; rows of tiny (subnormal) values
+    decode finite and close (their scale does not round to 0)."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1000.0, nan, 1.0, -250.0], [1000.0, inf, 1.0, -250.0], [1000.0, -inf, 1.0, -250.0],
+                      [1000.0, 0.0, 1.0, -250.0], [1e-44, 0.0, -3e-43, 1e-40]])
+    codec = get_codec("fp8")
+    y = codec.decode(codec.encode(x), (5, 4))
+    assert y[:3, 1].isnan().all() and y[3:].isfinite().all()
+    assert torch.equal(y[:3, [0, 2, 3]], y[3:4, [0, 2, 3]].expand(3, 3))  # as if the NaN or Inf were not there
+    assert (y[3] - x[3]).abs().max() <= 0.07 * 1000 and (y[4] - x[4]).abs().max() <= 1e-41
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_cast_codecs_saturate_finite_values_beyond_their_range(name: str) -> None:
+    codec = get_codec(name)
+    top = torch.finfo(codec.dtype).max
+    x = torch.tensor([[1e5, -1e5, 3.4e38, 0.5], [float("inf"), float("-inf"), float("nan"), -3.4e38]])
+    y = codec.decode(codec.encode(x), (2, 4))
+    if name == "fp16":
+        assert y[0, :2].tolist() == [top, -top]
+    assert y[0, 2] == top and y[1, 3] == -top and y[0, 3] == 0.5
+    assert y[1, 0] == float("inf") and y[1, 1] == float("-inf") and y[1, 2].isnan()
+
+
+def test_eb_messages_without_chunks_are_on_the_buffer_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that serves no pairs sends header-only eb messages (forward): on the buffer's device, since a CPU
+    message among CUDA ones cannot be concatenated and NCCL takes CUDA tensors only ("meta" stands in for
+    CUDA)."""
+    from recstack.distributed import comm
+
+    class Sent(Exception):
+        pass
+
+    sent: list[torch.Tensor] = []
+
+    def capture(send: list[torch.Tensor], *args, **kwargs) -> list[torch.Tensor]:
+        sent.extend(send)
+        raise Sent
+
+    monkeypatch.setattr(comm, "all_to_all_variable", capture)
+    monkeypatch.setattr(comm.dist, "get_rank", lambda group=None: 0)
+    ex = comm.PooledExchange([[], []], [[], [(2, 3)]], None)
+    with pytest.raises(Sent):  # nothing to send, a chunk of rank 1 to receive
+        ex.exchange(torch.zeros(0, device="meta"), [[], []], [[], [(2, 3)]], EbCodec(), "fwd_a2a")
+    assert [m.device.type for m in sent] == ["meta", "meta"]
+
+
 def _chunk(src: int, dst: int, i: int) -> torch.Tensor:
     """The chunk rank ``src`` sends rank ``dst`` at position i: its own shape, scale and offset (so a chunk
     decoded in the wrong place cannot pass), some repeated rows, a NaN and an Inf."""

@@ -117,6 +117,11 @@ def test_analyze_raw_float32_files(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "needs 480" in capsys.readouterr().err
     assert main(["analyze-a2a", str(tmp_path / "other_dlrm.bin")]) == 2
     assert "--raw-shape" in capsys.readouterr().err
+    with open(tmp_path / "other_dlrm.bin", "ab") as f:  # two stray bytes: not the 64x8 float32 it claims
+        f.write(b"\0\0")
+    for shape in ("64x8", "0x8"):
+        assert main(["analyze-a2a", str(tmp_path / "other_dlrm.bin"), "--raw-shape", shape, "--codecs", "fp16"]) == 2
+        assert "2050 bytes are not a whole number of float32 values" in capsys.readouterr().err
 
 
 def test_evaluation_passes_are_exact_and_training_passes_compressed():
@@ -144,3 +149,46 @@ def test_evaluation_passes_are_exact_and_training_passes_compressed():
     model.embeddings.train()
     model.embeddings(ids)
     assert describe(fwd.encode_chunk(x, key)).kind == 1
+
+
+@pytest.mark.parametrize("exact", ["true", "false"])
+def test_evaluation_traffic_is_left_out_of_the_eb_metrics(exact: str, monkeypatch: pytest.MonkeyPatch):
+    """Evaluation passes between two log lines add nothing to the next window's eb figures (exact evaluation
+    or not), as the exchange's own byte counts leave them out."""
+    import itertools
+    import types
+
+    import torch
+
+    from recstack.compression import codec as eb_codec
+    from recstack.compression.runtime import CompressionRuntime
+    from recstack.data.batch import SparseFeatures
+    from recstack.distributed.codecs import ChunkKey
+    from recstack.embedding.collection import FusedEmbeddingBagCollection
+    from recstack.embedding.sparse_optim import SparseOptimizerConfig
+
+    # a clock that ticks once per reading: every encode and decode the codec counts takes exactly 1 s
+    monkeypatch.setattr(eb_codec, "time", types.SimpleNamespace(perf_counter=itertools.count().__next__))
+    cfg = load_config(None, ['dist.forward_codec="eb"', f"compression.eval_lossless={exact}"])
+    runtime = CompressionRuntime(cfg, None)
+    fwd, _ = runtime.codecs()
+    model = torch.nn.Module()
+    model.embeddings = FusedEmbeddingBagCollection([TableConfig("C1", 100, 8, (0,))], SparseOptimizerConfig())
+    runtime.attach(model)
+    ids = SparseFeatures.from_dense_ids(torch.randint(0, 100, (4, 1)))
+
+    def step(rows: int) -> None:  # one forward: this rank's chunk out, rank 1's chunk in
+        model.embeddings(ids)
+        x = torch.randn(rows, 8)
+        fwd.decode_chunk(fwd.encode_chunk(x, ChunkKey("fwd_a2a", 0, 1, 0)), (rows, 8), ChunkKey("fwd_a2a", 1, 0, 0))
+
+    step(64)  # a training step before the evaluation: its figures stay in the window
+    model.embeddings.eval()
+    for _ in range(3):
+        step(500)
+    model.embeddings.train()
+    step(64)
+    m = runtime.metrics(2)  # per step: one chunk of 64 x 8 out, one in
+    assert m["eb_fwd_chunks"] == 1 and m["eb_fwd_raw_bytes"] == 64 * 8 * 4 and m["eb_fwd_bytes"] < 64 * 8 * 4
+    assert m["eb_fwd_encode_s"] == 1 and m["eb_fwd_decode_s"] == 1
+    assert "eb_fwd_chunks" not in runtime.metrics(1)  # nothing held back for a later window

@@ -100,6 +100,9 @@ class Payload:
             return a
         if raw_shape is None:
             raise ValueError(f"{self.path}: a raw float32 file needs --raw-shape NxD")
+        size = self.path.stat().st_size
+        if size % 4:  # np.fromfile would drop the trailing bytes: the file is not what the shape says
+            raise ValueError(f"{self.path}: {size} bytes are not a whole number of float32 values")
         data = np.fromfile(self.path, dtype="<f4")
         n, d = raw_shape
         if data.size % d:

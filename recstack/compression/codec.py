@@ -117,6 +117,12 @@ class EbCodec(Codec):
         return y
 
     # -- metrics ------------------------------------------------------------------------------------------------
+    def swap_counters(self, counters: dict[str, float]) -> dict[str, float]:
+        """Count into ``counters`` from now on and return the counters used so far (an evaluation pass counts
+        apart from the training steps and is then dropped)."""
+        old, self._counters = self._counters, counters
+        return old
+
     def pop_metrics(self, prefix: str, steps: int = 1) -> dict[str, float]:
         """Per-step averages over the last ``steps`` steps (``<prefix>_ratio``, ``_bytes``, ``_raw_bytes``,
         ``_encode_s``, ``_decode_s``, ...) and the bounds in force now (``<prefix>_bound_<class>``)."""

@@ -89,12 +89,21 @@ class CompressionRuntime:
                     "tables": {p.removeprefix("eb_"): pol.describe() for p, pol in self.policies.items()}}
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "compression.json").write_text(json.dumps(info, indent=2))
-        if self.eb and self.cfg.eval_lossless:
-            codecs = list(self.eb.values())
+        if self.eb:
+            codecs, lossless = list(self.eb.values()), self.cfg.eval_lossless
+            held: dict[int, dict[str, float]] = {}  # id(codec) -> its training counters while evaluating
 
             def track_mode(module: torch.nn.Module, inputs: tuple) -> None:
+                # Evaluation traffic is not part of the training steps' figures (as for the exchange's own
+                # byte counts): the first evaluation pass sets the training counters aside, and the next
+                # training pass puts them back, dropping what the evaluation counted.
                 for codec in codecs:
-                    codec.lossless_now = not module.training
+                    if lossless:
+                        codec.lossless_now = not module.training
+                    if not module.training and id(codec) not in held:
+                        held[id(codec)] = codec.swap_counters({})
+                    elif module.training and id(codec) in held:
+                        codec.swap_counters(held.pop(id(codec)))
 
             emb.register_forward_pre_hook(track_mode)
         if self.recorder is not None:

@@ -76,13 +76,18 @@ def _all_to_all_flat(flat_in: torch.Tensor, in_splits: list[int], out_splits: li
     return flat_out
 
 
-def encode_chunks(codec: Codec, chunks: list[torch.Tensor], keys: list[ChunkKey] | None = None) -> torch.Tensor:
-    """Chunks [n_i, d_i] -> one uint8 message: header of int64 payload sizes, then the payloads."""
+def encode_chunks(codec: Codec, chunks: list[torch.Tensor], keys: list[ChunkKey] | None = None,
+                  device: torch.device | None = None) -> torch.Tensor:
+    """Chunks [n_i, d_i] -> one uint8 message: header of int64 payload sizes, then the payloads. ``device``:
+    where the message goes when there are no chunks (the chunks' device otherwise; default CPU)."""
     if keys is None:
         payloads = [codec.encode(c) for c in chunks]
     else:
         payloads = [codec.encode_chunk(c, k) for c, k in zip(chunks, keys, strict=True)]
-    device = chunks[0].device if chunks else torch.device("cpu")
+    if chunks:
+        device = chunks[0].device
+    elif device is None:
+        device = torch.device("cpu")
     header = torch.tensor([p.numel() for p in payloads], dtype=torch.int64, device=device)
     return torch.cat([header.view(torch.uint8), *payloads]) if payloads else header.view(torch.uint8)
 
@@ -161,7 +166,9 @@ class PooledExchange:
                        for m, sizes, shapes, keys in zip(received, recv_bytes, in_shapes, recv_keys, strict=True)
                        for p, s, k in zip(torch.split(m, sizes), shapes, keys, strict=True)]  # type: ignore[arg-type]
         else:
-            messages = [encode_chunks(codec, c, keys) for c, keys in zip(chunks, send_keys, strict=True)]
+            # empty messages on the buffer's device too: all_to_all_variable concatenates every message, and
+            # NCCL takes CUDA tensors only
+            messages = [encode_chunks(codec, c, keys, flat.device) for c, keys in zip(chunks, send_keys, strict=True)]
             received = all_to_all_variable(messages, self.group, self.stats, phase)
             decoded = [t for r, m in enumerate(received)
                        for t in decode_chunks(codec, m, in_shapes[r], recv_keys[r])]
