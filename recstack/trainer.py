@@ -62,10 +62,12 @@ def optimizer_step(
     return loss.item()
 
 
-def prepare_data(cfg: Config, output_dir: Path | None) -> tuple[PreparedDataset, PreparedDataset, tuple[int, int]]:
+def prepare_data(cfg: Config, output_dir: Path | None, world: int = 1
+                 ) -> tuple[PreparedDataset, PreparedDataset, tuple[int, int]]:
     """-> (train set, eval set, eval row range). Generates the synthetic set first when ``[data.synth]``
-    (again when the set found there was generated with other options). An eval set must have the training
-    set's layout (features, tables and their sizes); the eval range may be empty (no evaluation)."""
+    (again when the set found there was generated with other options); under torchrun (``world`` > 1) rank 0
+    generates it and the others wait for it. An eval set must have the training set's layout (features, tables
+    and their sizes); the eval range may be empty (no evaluation)."""
     d = cfg.data
     train_path = d.train
     if d.synth:
@@ -73,7 +75,10 @@ def prepare_data(cfg: Config, output_dir: Path | None) -> tuple[PreparedDataset,
             if output_dir is None:
                 raise ValueError("data.synth needs data.train or an output directory to write into")
             train_path = str(output_dir / "data")
-        _synthesize(cfg, Path(train_path))
+        if world > 1:
+            _synthesize_on_rank0(cfg, Path(train_path))
+        else:
+            _synthesize(cfg, Path(train_path))
     if not train_path:
         raise ValueError("data.train: no training data given (a prepared directory, or a [data.synth] table)")
     train = PreparedDataset(train_path)
@@ -123,6 +128,30 @@ def _synthesize(cfg: Config, path: Path) -> None:
     generate(want, path, progress=cfg.train.progress, overwrite=overwrite)
 
 
+def _synthesize_on_rank0(cfg: Config, path: Path) -> None:
+    """``_synthesize`` on rank 0 only (every rank writing the same files would race); the other ranks wait for it
+    and stop with its error when it fails. The wait is on a group of its own without ``dist.timeout_s``: a large
+    set takes longer to generate than a collective may."""
+    import datetime
+
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            _synthesize(cfg, path)
+        except Exception as e:  # re-raised below, after the other ranks have been told
+            error = e
+    status = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(status, src=0, group=group)
+    dist.destroy_process_group(group)
+    if error is not None:
+        raise error
+    if status[0] is not None:
+        raise ValueError(f"rank 0 could not generate [data.synth] into {path}: {status[0]}")
+
+
 class Trainer:
     def __init__(self, cfg: Config, output_dir: str | Path | None = None, resume: bool = False,
                  overwrite: bool = False) -> None:
@@ -148,7 +177,7 @@ class Trainer:
         if self.output_dir and self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        self.train_ds, self.eval_ds, eval_range = prepare_data(cfg, self.output_dir)
+        self.train_ds, self.eval_ds, eval_range = prepare_data(cfg, self.output_dir, self.world)
         self.has_eval = eval_range[1] > eval_range[0]
         if not self.has_eval:
             why = (f"data.eval {self.eval_ds.path} has no rows" if self.eval_ds is not self.train_ds else
