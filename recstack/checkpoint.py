@@ -166,10 +166,12 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore ``rng_state()``. Its tensors may be on a GPU (a checkpoint loaded with ``map_location`` the
+    training device): numpy reads host memory only, and torch takes generator states as CPU byte tensors."""
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]
-    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), *n[2:]))
-    torch.set_rng_state(state["torch"])
+    np.random.set_state((n[0], n[1].cpu().numpy().astype(np.uint32), *n[2:]))
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

@@ -122,8 +122,10 @@ class FusedEmbeddingBagCollection(EmbeddingCollection):
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__(tables, optimizer)
-        sizes = torch.tensor([t.num_embeddings for t in tables], dtype=torch.int64)
-        table_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+        # On ``device`` like the weight: a collection built after its model was moved there (the sharded
+        # collection's local tables) is never moved, and a CPU feature_offsets fails against CUDA ids.
+        sizes = torch.tensor([t.num_embeddings for t in tables], dtype=torch.int64, device=device)
+        table_offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
         self.register_buffer("table_offsets", table_offsets, persistent=False)  # [T + 1]
         self.register_buffer(
             "feature_offsets", table_offsets[self.feature_table].clone(), persistent=False
