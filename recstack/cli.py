@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func in (("eval", _cmd_eval), ("predict", _cmd_predict)):
         e = sub.add_parser(name, help=f"{name} with a trained checkpoint")
-        e.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
+        e.add_argument("--checkpoint", required=True,
+                       help="checkpoint (ckpt_<step>.pt, or a torchrun run's step_<step>/) or run directory")
         e.add_argument("--data", required=name == "predict",
                        help="prepared data directory" + ("" if name == "predict" else " (default: the rows the "
                              "run evaluated on: data.eval, else the held-out tail of its training set)"))

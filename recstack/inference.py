@@ -4,51 +4,78 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from recstack.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint
+from recstack.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, load_checkpoint
 from recstack.config import Config, config_from_dict
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
+from recstack.distributed.checkpoint import SHARDED_STATE_FILE, list_sharded, read_full_tables
 from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_model, capped_table_sizes
 from recstack.models.dlrm import DLRM
 
 
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tuple[Config, DLRM]:
-    """A checkpoint (a ``ckpt_<step>.pt`` file, or a ``ckpt_<step>/`` directory of cached-tier tables), or a
-    run or checkpoints directory (its newest valid checkpoint) -> (config, model). Notes such as the embedding
-    placement go to stderr, so that stdout carries only the caller's results."""
+    """A checkpoint (a ``ckpt_<step>.pt`` file, a ``ckpt_<step>/`` directory of cached-tier tables, or a
+    ``step_<step>/`` directory of a torchrun run's sharded tables), or a run or checkpoints directory (its newest
+    valid checkpoint) -> (config, model) in one process. Notes such as the embedding placement go to stderr, so
+    that stdout carries only the caller's results."""
     path = Path(checkpoint)
-    if path.is_dir() and not (path / STATE_FILE).is_file():
+    sharded: Path | None = None  # a torchrun checkpoint: tables in DCP files, the rest in trainer.pt
+    if (path / SHARDED_STATE_FILE).is_file():
+        sharded = path
+    elif path.is_dir() and not (path / STATE_FILE).is_file():
         ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         state = latest_checkpoint(ckpt_dir, device)
         if state is None:
-            sharded = sorted(p.name for p in ckpt_dir.glob("step_*") if p.is_dir())
-            why = (f" (it holds only sharded torchrun checkpoints, {sharded[-1]} the newest; eval and predict read "
-                   "single-process ones, ckpt_<step>.pt)" if sharded else "")
-            raise FileNotFoundError(f"{path}: no loadable checkpoint{why}")
+            steps = list_sharded(ckpt_dir)
+            if not steps:
+                raise FileNotFoundError(f"{path}: no loadable checkpoint")
+            sharded = steps[-1]
     else:
         state = load_checkpoint(path, device)
+    if sharded is not None:
+        state = load_sharded_state(sharded, device)
     where = state.get("path", str(path))
     missing = [k for k in ("config", "num_dense", "table_sizes", "model") if k not in state]
     if missing:  # e.g. an ExFM stream's checkpoint
-        raise ValueError(f"{where}: not a single-process recstack train checkpoint (no {', '.join(missing)})")
+        raise ValueError(f"{where}: not a recstack train checkpoint (no {', '.join(missing)})")
     cfg = config_from_dict(state["config"])
     # Placement notes to stderr: stdout is the JSON of `recstack eval`.
     model = build_model(cfg, state["num_dense"], state["table_sizes"], device, state.get("table_names"), sys.stderr)
+    emb = model.embeddings
+    if sharded is not None:  # every table put together from its shards, as one process holds it (torchrun
+        # refuses [memory] budgets, so this model's tables are all in memory too)
+        weight, acc = read_full_tables(sharded, emb.tables, emb.optimizer.needs_accumulator)
+        state["model"]["embeddings.weight"] = weight.to(device)
+        if acc is not None:
+            state["model"]["embeddings.accumulator"] = acc.to(device)
     try:
         model.load_state_dict(state["model"])
-    except RuntimeError as e:  # missing (a sharded run's trainer.pt has no tables), unexpected or reshaped
+    except RuntimeError as e:  # missing, unexpected or reshaped
         raise ValueError(f"{where}: its weights do not fit the model its config describes: {e}") from e
-    restore = getattr(model.embeddings, "restore_files", None)
+    restore = getattr(emb, "restore_files", None)
     if restore is not None:  # cached embedding tiers: their rows are files beside the checkpoint's state
         restore(state.get("checkpoint_dir"))
     model.eval()
     return cfg, model
+
+
+def load_sharded_state(path: Path, device: str | torch.device) -> dict[str, Any]:
+    """A sharded checkpoint's replicated state (dense model, config, table sizes), read without a process
+    group; its tables are read by :func:`read_full_tables`."""
+    try:
+        state = torch.load(path / SHARDED_STATE_FILE, map_location=device, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path / SHARDED_STATE_FILE}: unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict) or state.get("complete") is not True:
+        raise CheckpointError(f"{path / SHARDED_STATE_FILE}: incomplete checkpoint")
+    return {**state, "path": str(path)}
 
 
 def run_directory(checkpoint: str | Path) -> Path | None:

@@ -189,3 +189,36 @@ def test_data_synth_is_generated_once_under_torchrun(tmp_path: Path) -> None:
         meta = json.loads((tmp_path / "run" / "data" / "meta.json").read_text())
         assert meta["num_rows"] == rows
         assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.parametrize("sharding", ["row_wise", "column_wise"])
+def test_eval_and_predict_read_a_sharded_checkpoint(tiny_dataset: Path, tmp_path: Path, single: dict,
+                                                    sharding: str, capsys: pytest.CaptureFixture) -> None:
+    """`recstack eval` and `predict` run in one process on a torchrun run's checkpoint: the tables are put
+    together from their shards, so the run's own final evaluation is reproduced (and matches one process)."""
+    import numpy as np
+
+    from recstack.cli import main
+
+    run = tmp_path / "two"
+    two = _train(TORCHRUN, tiny_dataset, run, ["train.batch_size=64", f'dist.sharding="{sharding}"'])
+    step_dir = run / "checkpoints" / "step_000000060"
+    capsys.readouterr()
+    for checkpoint in (run, step_dir):
+        assert main(["eval", "--checkpoint", str(checkpoint)]) == 0
+        evaluated = json.loads(capsys.readouterr().out)
+        for k in ("auc", "logloss", "ne"):
+            assert evaluated[k] == pytest.approx(two[k], abs=1e-6), k
+            assert evaluated[k] == pytest.approx(single[k], abs=1e-5), k
+    out = tmp_path / "p.npy"
+    assert main(["predict", "--checkpoint", str(run), "--data", str(tiny_dataset), "--out", str(out)]) == 0
+    p = np.load(out)
+    assert p.shape == (20000,) and ((p > 0) & (p < 1)).all()
+
+    for f in step_dir.glob("*.distcp"):  # a shard file lost: a clear error naming the checkpoint
+        f.unlink()
+        break
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"{step_dir}: its tables could not be read" in err, err

@@ -206,7 +206,7 @@ def test_eval_and_predict_report_bad_input_without_a_traceback(tiny_dataset: Pat
     foreign = tmp_path / "foreign.pt"
     torch.save({"model": {}, "complete": True}, foreign)  # loads, but holds no training run
     for checkpoint, message in ((torn, "cannot be loaded"), (tmp_path / "missing.pt", "No such file"),
-                                (foreign, "not a single-process recstack train checkpoint")):
+                                (foreign, "not a recstack train checkpoint")):
         capsys.readouterr()
         assert main(["eval", "--checkpoint", str(checkpoint), "--data", data]) == 2
         assert message in capsys.readouterr().err

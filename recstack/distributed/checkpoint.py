@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,9 @@ import torch.distributed.checkpoint as dcp
 
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.distributed.sharding import Shard
+from recstack.embedding import TableConfig
 
+SHARDED_STATE_FILE = "trainer.pt"  # the replicated state beside the DCP files
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 _KEY = re.compile(r"^emb/(?P<table>.+)/(?P<part>weight|accumulator)/r(?P<r0>\d+)-(?P<r1>\d+)/c(?P<c0>\d+)-(?P<c1>\d+)$")
 
@@ -86,13 +89,13 @@ def _saved_pieces(path: Path) -> tuple[Any, dict[tuple[str, str], list[tuple[str
     return saved, pieces
 
 
-def check_coverage(coll: ShardedEmbeddingCollection, path: Path,
+def check_coverage(tables: list[TableConfig], parts: list[str], path: Path,
                    pieces: dict[tuple[str, str], list[tuple[str, int, int, int, int]]]) -> None:
-    """Raise :class:`CheckpointError` unless, for every table of the model (and its accumulator when the
-    optimizer keeps one), the saved rectangles tile exactly [0, rows) x [0, dim): none outside it, none
-    overlapping, none missing. Depends only on the checkpoint and the model, so every rank decides alike."""
-    parts = ["weight", "accumulator"] if coll.optimizer.needs_accumulator else ["weight"]
-    for t in coll.tables:
+    """Raise :class:`CheckpointError` unless, for every table of the model and every part (``weight``, and
+    ``accumulator`` when the optimizer keeps one), the saved rectangles tile exactly [0, rows) x [0, dim): none
+    outside it, none overlapping, none missing. Depends only on the checkpoint and the model, so every rank
+    decides alike."""
+    for t in tables:
         rows, dim = t.num_embeddings, t.embedding_dim
         for part in parts:
             found = pieces.get((t.name, part), [])
@@ -117,6 +120,10 @@ def check_coverage(coll: ShardedEmbeddingCollection, path: Path,
             if area != rows * dim:
                 raise CheckpointError(f"{path}: saved {part} pieces of table {t.name!r} cover {area} of its "
                                       f"{rows} x {dim} values")
+
+
+def _parts(needs_accumulator: bool) -> list[str]:
+    return ["weight", "accumulator"] if needs_accumulator else ["weight"]
 
 
 def agree(error: BaseException | None) -> None:
@@ -146,7 +153,7 @@ def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: Ba
     if error is None:
         try:
             saved, pieces = _saved_pieces(path)
-            check_coverage(coll, path, pieces)
+            check_coverage(coll.tables, _parts(coll.optimizer.needs_accumulator), path, pieces)
             for name, s, w, acc in _local_shards(coll):
                 for part, target in (("weight", w), ("accumulator", acc)):
                     if target is None:
@@ -161,8 +168,14 @@ def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: Ba
             error = e
     agree(error)
     dcp.load(request, checkpoint_id=str(path))  # collective: every rank reads what it asked for
-    # Row-wise Adagrad state: the width-weighted mean of the overlapping column blocks' accumulators (exact
-    # unless a column-wise layout is read into a different column split).
+    _copy_overlaps(plan, request)
+
+
+def _copy_overlaps(plan: list[tuple[torch.Tensor, Shard, str, tuple[str, int, int, int, int]]],
+                   request: dict[str, torch.Tensor]) -> None:
+    """Copy each saved piece's overlap with a target shard into the target. Row-wise Adagrad state is the
+    width-weighted mean of the overlapping column blocks' accumulators (exact unless a column-wise layout is
+    read into a different column split)."""
     acc_parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (target, summed widths per row)
     with torch.no_grad():
         for target, s, part, (key, r0, r1, c0, c1) in plan:
@@ -207,7 +220,7 @@ def save_sharded(directory: Path, step: int, coll: ShardedEmbeddingCollection, t
     if rank_state is not None:  # inside the .tmp directory, so it appears with the rest or not at all
         _write(rank_file(tmp, dist.get_rank()), rank_state)
     if dist.get_rank() == 0:
-        _write(tmp / "trainer.pt", {**trainer_state, "step": step, "complete": True})
+        _write(tmp / SHARDED_STATE_FILE, {**trainer_state, "step": step, "complete": True})
     dist.barrier()
     if dist.get_rank() == 0:
         if final.exists():
@@ -224,7 +237,7 @@ def list_sharded(directory: Path) -> list[Path]:
     """Complete sharded checkpoints, oldest first."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if _STEP_DIR.match(p.name) and (p / "trainer.pt").is_file()
+    return sorted(p for p in directory.iterdir() if _STEP_DIR.match(p.name) and (p / SHARDED_STATE_FILE).is_file()
                   and (p / ".metadata").is_file())
 
 
@@ -234,7 +247,7 @@ def load_sharded(path: Path, coll: ShardedEmbeddingCollection, map_location: tor
     error: BaseException | None = None
     state: dict[str, Any] = {}
     try:
-        state = torch.load(path / "trainer.pt", map_location=map_location, weights_only=True)
+        state = torch.load(path / SHARDED_STATE_FILE, map_location=map_location, weights_only=True)
         if state.get("complete") is not True:
             raise RuntimeError(f"{path}: incomplete checkpoint")
         mine = rank_file(path, dist.get_rank())
@@ -244,3 +257,38 @@ def load_sharded(path: Path, coll: ShardedEmbeddingCollection, map_location: tor
         error = e
     load_embedding_state(coll, path, error)
     return state
+
+
+def read_full_tables(path: Path, tables: list[TableConfig], needs_accumulator: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One process, no process group: every table of a sharded checkpoint, whatever layout wrote it, for
+    evaluation and scoring -> (weight [sum of rows, D], row-wise accumulator [sum of rows] or None), the tables one
+    after another in ``tables``' order, as a single-process collection holds them. Raises
+    :class:`CheckpointError` when the saved pieces do not tile every table."""
+    saved, pieces = _saved_pieces(path)
+    parts = _parts(needs_accumulator)
+    check_coverage(tables, parts, path, pieces)
+    rows = [t.num_embeddings for t in tables]
+    weight = torch.empty(sum(rows), tables[0].embedding_dim if tables else 0)
+    acc = torch.empty(sum(rows)) if needs_accumulator else None
+    plan: list[tuple[torch.Tensor, Shard, str, tuple[str, int, int, int, int]]] = []
+    request: dict[str, torch.Tensor] = {}
+    r0 = 0
+    for i, t in enumerate(tables):
+        whole = Shard(i, 0, 0, 0, t.num_embeddings, 0, t.embedding_dim, "identity")
+        for part, full in (("weight", weight), ("accumulator", acc)):
+            if full is None:
+                continue
+            target = full[r0 : r0 + t.num_embeddings]  # one view per table: _copy_overlaps keys on it
+            for p in pieces[(t.name, part)]:
+                request.setdefault(p[0], torch.empty(tuple(saved[p[0]].size), dtype=target.dtype))
+                plan.append((target, whole, part, p))
+        r0 += t.num_embeddings
+    try:
+        with warnings.catch_warnings():  # that it reads in one process is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(request, checkpoint_id=str(path), no_dist=True)
+    except (Exception, dcp.CheckpointException) as e:  # DCP's own error is a BaseException
+        raise CheckpointError(f"{path}: its tables could not be read ({type(e).__name__}: {e})") from e
+    _copy_overlaps(plan, request)
+    return weight, acc
