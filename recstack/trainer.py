@@ -248,8 +248,7 @@ class Trainer:
         shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn, d.aggregate_gradients)
         self.net = wrap_ddp(self.model, self.device, self.model.embeddings.stats)
         if d.pipeline:  # the prefetch thread moves each batch to the device and distributes its ids
-            emb, device, split = self.model.embeddings, self.device, self.model.split_batch
-            self.train_loader.transform = lambda b: _route(emb, split(b.to(device)))
+            self.train_loader.transform = pipelined_input(self.model.embeddings, self.model.split_batch, self.device)
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -485,6 +484,16 @@ class Trainer:
         return out
 
 
-def _route(embeddings: torch.nn.Module, batch: Batch) -> Batch:
-    embeddings.route(batch.sparse)
-    return batch
+def pipelined_input(embeddings: torch.nn.Module, split: Callable[[Batch], Batch], device: torch.device
+                    ) -> Callable[[Batch], Batch]:
+    """The loader's transform when ``dist.pipeline`` is on: in its prefetch thread, move each batch to the device
+    and send its ids to the ranks that hold their rows (``embeddings.route``)."""
+
+    def transform(batch: Batch) -> Batch:
+        if device.type == "cuda":  # a new thread's current device is cuda:0: without this, rank r's loader
+            torch.cuda.set_device(device)  # thread would make a CUDA context (and allocations) on GPU 0
+        batch = split(batch.to(device))
+        embeddings.route(batch.sparse)
+        return batch
+
+    return transform

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -87,3 +88,69 @@ def test_rng_state_restores_from_a_checkpoint_loaded_onto_the_gpu() -> None:
     assert state["rng"]["torch"].is_cuda  # what a resume on the GPU gets
     set_rng_state(state["rng"])
     assert (*_draws(), float(torch.rand((), device="cuda"))) == want
+
+
+class _Routes(torch.nn.Module):
+    """Records where ``route`` was called: the device of the ids and the thread's current CUDA device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int | None]] = []
+
+    def route(self, sparse: SparseFeatures) -> None:
+        current = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.seen.append((str(sparse.ids.device), current))
+
+
+def _in_thread(fn, *args):  # type: ignore[no-untyped-def]
+    import threading
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def _batch():  # type: ignore[no-untyped-def]
+    from recstack.data.batch import Batch
+
+    return Batch(torch.zeros(2, 1), SparseFeatures.from_dense_ids(torch.tensor([[1, 2], [0, 1]])), torch.zeros(2))
+
+
+def test_pipelined_input_routes_the_split_batch_on_the_device() -> None:
+    from recstack.trainer import pipelined_input
+
+    emb, split = _Routes(), []
+    out = _in_thread(pipelined_input(emb, lambda b: split.append(b) or b, torch.device("meta")), _batch())
+    assert len(split) == 1 and split[0] is out and out.sparse.ids.device.type == "meta"
+    assert [d for d, _ in emb.seen] == ["meta"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_pipelined_input_runs_on_the_ranks_gpu_in_the_loader_thread() -> None:
+    """Rank 1's loader thread works on cuda:1, not on the thread default cuda:0."""
+    from recstack.trainer import pipelined_input
+
+    emb = _Routes()
+    _in_thread(pipelined_input(emb, lambda b: b, torch.device("cuda", 1)), _batch())
+    assert emb.seen == [("cuda:1", 1)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tiered_prefetch_thread_runs_on_the_collections_gpu() -> None:
+    from recstack.embedding.tiered import TieredEmbeddingCollection
+    from recstack.embedding.tiered_placement import TablePlacement
+
+    cached = TablePlacement("host-cached", 2)
+    tc = TieredEmbeddingCollection(TABLES, SparseOptimizerConfig("sgd", 0.1), [cached, cached, TablePlacement()],
+                                   device="cuda:1")
+    hook = tc.next_batch_hook()
+    first, second = (SparseFeatures.from_dense_ids(torch.tensor(ids)) for ids in ([[1, 2, 0]], [[5, 1, 4]]))
+    for s in (first, second):
+        hook(SimpleNamespace(sparse=s))  # what the loader hands it: a batch
+    tc(first.to("cuda:1")).sum().backward()  # prefetches ``second`` in the collection's thread
+    try:
+        assert tc._pool is not None and tc._pool.submit(torch.cuda.current_device).result() == 1
+    finally:
+        tc.close()

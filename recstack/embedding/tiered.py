@@ -393,8 +393,11 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
     def _start_prefetch(self, hint: _Hint) -> None:
         # Rows the current batch staged are being updated by its backward: the next forward fetches them.
         exclude = torch.cat([k for k, _ in self._staged]) if self._staged else None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="embedding-prefetch")
+        if self._pool is None:  # its thread works on this collection's GPU (a new thread's current one is cuda:0)
+            on_gpu = self.device.type == "cuda"
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="embedding-prefetch",
+                                            initializer=torch.cuda.set_device if on_gpu else None,
+                                            initargs=(self.device,) if on_gpu else ())
         self._pending = self._pool.submit(self._prefetch, hint, exclude)
 
     def _prefetch(self, hint: _Hint, exclude: torch.Tensor | None) -> None:
