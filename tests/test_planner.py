@@ -529,6 +529,27 @@ def test_plan_file_checked_against_the_table_sizes(tmp_path) -> None:
         placements.check(sizes)
 
 
+def test_plan_for_another_node_split_names_the_table_row_wise_table(tmp_path) -> None:
+    """A plan written for 1 x 4 ranks run as 2 nodes x 2: its table_row_wise table spans both nodes of the job,
+    an error naming the plan file, the table and what to plan for (not the sharding's own bare message)."""
+    from recstack.config import DistConfig
+    from recstack.distributed.parallelize import placements_from_config
+
+    topo = {"nodes": 1, "devices_per_node": 4}
+    path = _plan_file(tmp_path, [_entry("C1", "table_wise", [3]), _entry("C2", "table_row_wise", [0, 1, 2, 3])],
+                      world_size=4, topology=topo)
+    assert list(placements_from_config(DistConfig(plan=path, ranks_per_node=4), ["C1", "C2"], 4))[1] == (
+        "table_row_wise", [0, 1, 2, 3])
+    message = (r"plan table 1 \('C2'\): field 'ranks': table_row_wise ranks \[0, 1, 2, 3\] span nodes \[0, 1\] of "
+               r"this job \(2 ranks per node; the plan is for 1 x 4\).* plan again with --topology 2x2")
+    with pytest.raises(PlanError, match=f"^{re.escape(path)}: {message}"):
+        placements_from_config(DistConfig(plan=path, ranks_per_node=2), ["C1", "C2"], 4)
+    inside = _plan_file(tmp_path, [_entry("C1", "table_wise", [3]), _entry("C2", "table_row_wise", [2, 3])],
+                        world_size=4, topology=topo)  # within one node of the job too: runs
+    assert list(placements_from_config(DistConfig(plan=inside, ranks_per_node=2), ["C1", "C2"], 4))[1] == (
+        "table_row_wise", [2, 3])
+
+
 def test_planner_plan_file_is_read_for_training(tmp_path) -> None:
     from recstack.config import DistConfig
     from recstack.distributed.parallelize import placements_from_config

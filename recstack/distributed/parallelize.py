@@ -130,7 +130,7 @@ def placements_from_config(
         nodes, rest = divmod(world_size, per_node) if per_node > 0 else (0, 1)
         job = Topology(nodes, per_node) if nodes and not rest else Topology(1, world_size)
         plan = ShardingPlan.from_json(text, str(path), estimates=False, topology=job)
-        return PlanPlacements(plan, table_names, world_size, str(path))
+        return PlanPlacements(plan, table_names, world_size, str(path), job)
     everyone = list(range(world_size))
     if dist_cfg.sharding == "table_wise":
         return [("table_wise", [i % world_size]) for i in range(len(table_names))]

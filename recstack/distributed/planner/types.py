@@ -388,11 +388,22 @@ class PlanPlacements(list):
     validated as far as the table names allow. The sharded collection calls :meth:`check` with the tables'
     sizes before its first collective, so every rank rejects a plan that does not fit the model alike."""
 
-    def __init__(self, plan: ShardingPlan, names: Sequence[str], world_size: int, source: str) -> None:
+    def __init__(self, plan: ShardingPlan, names: Sequence[str], world_size: int, source: str,
+                 job: Topology | None = None) -> None:
+        """``job``: the running job's nodes and ranks per node, where the plan was made for another split."""
         self.plan, self.world_size, self.source = plan, world_size, source
         with _prefixed(source):
             plan.validate(world_size, estimates=False)
             plan.check_names(names)
+            if job is not None and job.devices_per_node != plan.topology.devices_per_node:
+                for i, t in enumerate(plan.tables):
+                    nodes = sorted({job.node_of(r) for r in t.ranks}) if t.sharding == "table_row_wise" else [0]
+                    if len(nodes) != 1:
+                        raise PlanError(
+                            f"plan table {i} ({t.name!r}): field 'ranks': table_row_wise ranks {t.ranks} span "
+                            f"nodes {nodes} of this job ({job.devices_per_node} ranks per node; the plan is for "
+                            f"{plan.topology.nodes} x {plan.topology.devices_per_node}); they must share one "
+                            f"node: plan again with --topology {job.nodes}x{job.devices_per_node}")
         super().__init__((plan.table(n).sharding, list(plan.table(n).ranks)) for n in names)
 
     def check(self, tables: Sequence[TableSpec]) -> None:
