@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 
 from recstack.cli import main
 from recstack.data.examples import frappe_like, ratings_table, write_libfm, write_ratings
-from recstack.data.format import PreparedDataset, PreparedWriter, SparseFeatureSpec
+from recstack.data.format import PreparedDataset, PreparedFormatError, PreparedWriter, SparseFeatureSpec
 from recstack.data.loader import BatchLoader
 from recstack.data.prepare import prepare_dataset
 from recstack.data.schema import SourceSpec, load_schema, schema_from_dict, split_time
@@ -156,6 +157,35 @@ def test_single_valued_data_keeps_the_old_layout(tmp_path: Path) -> None:
     assert set(meta["arrays"]) == {"labels", "dense", "sparse"} and meta["arrays"]["sparse"]["shape"] == [2, 2]
     s = PreparedDataset(tmp_path / "d").batch(0, 2).sparse
     assert s.ids.tolist() == [1, 3, 2, 4] and s.offsets.tolist() == [0, 1, 2, 3, 4] and s.weights is None
+
+
+def test_ids_outside_their_table_are_an_error_naming_file_row_and_feature(tmp_path: Path) -> None:
+    """A damaged file's id beyond its table would look up a row of the next table in a fused collection (or fail
+    on a GPU with a device assert): reading it is an error naming the file, the row and the feature."""
+    specs = [SparseFeatureSpec("a", 5), SparseFeatureSpec("b", 7), SparseFeatureSpec("m", 4, multi_hot=True)]
+    with PreparedWriter(tmp_path / "d", ["x"], specs) as w:
+        w.write(np.zeros(4, np.float32), np.ones((4, 1)), np.array([[1, 2], [3, 4], [0, 6], [4, 0]]),
+                jagged={"m": (np.array([2, 0, 1, 2]), np.array([0, 3, 1, 2, 3]), None)})
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())["arrays"]
+    for array, index, value, rows, message in [
+        ("sparse", (2, 1), 7, (0, 4), "row 2, sparse feature 'b': id 7 is outside its table of 7 rows"),
+        ("sparse", (3, 0), -1, (3, 4), "row 3, sparse feature 'a': id -1 is outside its table of 5 rows"),
+        ("m.values", 3, 4, (1, 4), "row 3, sparse feature 'm': id 4 is outside its table of 4 rows"),
+    ]:
+        spec = meta[array]
+        data = np.memmap(tmp_path / "d" / spec["file"], dtype=spec["dtype"], mode="r+", shape=tuple(spec["shape"]))
+        good = data[index].copy()
+        data[index] = value
+        data.flush()
+        ds = PreparedDataset(tmp_path / "d")
+        with pytest.raises(PreparedFormatError, match=re.escape(f"{tmp_path / 'd' / spec['file']}: {message}")):
+            ds.batch(*rows)
+        with pytest.raises(PreparedFormatError, match=re.escape(message)):
+            ds.gather(np.arange(rows[0], rows[1]))
+        ds.batch(0, rows[0])  # the rows before it read as they are
+        data[index] = good
+        data.flush()
+    assert PreparedDataset(tmp_path / "d").batch(0, 4).sparse.ids.numel() == 13
 
 
 def test_loader_caps_ids_of_multi_hot_features(ratings: dict) -> None:

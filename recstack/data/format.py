@@ -331,6 +331,7 @@ class PreparedDataset:
         for col, i in enumerate(single):
             self.sparse_column[i] = col
         self.any_multi_hot = len(single) < len(self.sparse_features)
+        self._single_rows = np.array([self.sparse_features[i].num_embeddings for i in single], np.uint64)
         self.needs_weights = any(s.weighted or s.pooling == "mean" for s in self.sparse_features)
 
     def _check_jagged(self) -> None:
@@ -392,6 +393,10 @@ class PreparedDataset:
     def _sparse(self, rows: slice | np.ndarray, b: int) -> SparseFeatures:
         """Sparse ids of ``rows`` (a slice or an index array of b rows) in feature-major jagged form."""
         single = np.array(self.arrays["sparse"][rows], dtype=np.int64)  # [B, n_single]
+        # One pass: as unsigned, a negative id is beyond every table too.
+        if single.size and (bad := single.view(np.uint64) >= self._single_rows).any():
+            r, col = np.argwhere(bad)[0]
+            self._id_error("sparse", rows, int(r), self.sparse_column.index(int(col)), int(single[r, col]))
         if not self.any_multi_hot and not self.needs_weights:
             return SparseFeatures.from_dense_ids(single)
         ids, lengths, weights = [], [], []
@@ -402,7 +407,12 @@ class PreparedDataset:
                 w = np.ones(b, np.float32)
             else:
                 n, pos = self._bag_positions(s.name, rows, b)
-                ids.append(np.asarray(self.arrays[f"{s.name}.values"][pos], dtype=np.int64))
+                bag_ids = np.asarray(self.arrays[f"{s.name}.values"][pos], dtype=np.int64)
+                if bag_ids.size and (bag_ids.min() < 0 or bag_ids.max() >= s.num_embeddings):
+                    k = int(np.argmax((bag_ids < 0) | (bag_ids >= s.num_embeddings)))
+                    r = int(np.searchsorted(np.cumsum(n), k, side="right"))  # the bag holding id k
+                    self._id_error(f"{s.name}.values", rows, r, len(ids), int(bag_ids[k]))
+                ids.append(bag_ids)
                 w = (np.asarray(self.arrays[f"{s.name}.weights"][pos], dtype=np.float32) if s.weighted
                      else np.ones(len(pos), np.float32))
                 if s.pooling == "mean":  # every id weighs 1 / bag size, so the weighted sum is the mean
@@ -417,6 +427,15 @@ class PreparedDataset:
             len(self.sparse_features),
             torch.from_numpy(np.concatenate(weights)) if self.needs_weights else None,
         )
+
+    def _id_error(self, array: str, rows: slice | np.ndarray, r: int, feature: int, value: int) -> None:
+        """Raise for id ``value`` of sparse feature #``feature`` in the ``r``-th selected row: outside its table,
+        it would look up a row of the next table in a fused collection (or fail on a device with an assert)."""
+        row = rows.start + r if isinstance(rows, slice) else int(rows[r])
+        s = self.sparse_features[feature]
+        file = self.path / self.meta["arrays"][array]["file"]
+        raise PreparedFormatError(f"{file}: row {row}, sparse feature {s.name!r}: id {value} is outside "
+                                  f"its table of {s.num_embeddings} rows (a damaged or foreign file?)")
 
     def _bag_positions(self, name: str, rows: slice | np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
         """-> (bag sizes [B], positions [sum] into the feature's values array) for the selected rows."""
