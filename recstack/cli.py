@@ -8,17 +8,30 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from recstack import train as train_cmd
 from recstack.config import ConfigError
 from recstack.data.commands import add_inspect_parser, add_schema_prepare_arguments
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _device(name: str) -> torch.device:
+    """``--device`` of eval and predict: auto | cpu | cuda | cuda:N (a CUDA device must exist here)."""
+    from recstack.config import check_device_name
+    from recstack.trainer import resolve_device
+
+    check_device_name(name, check_available=True, field="--device")
+    return resolve_device(name)
 
 
 def _cmd_eval(args: argparse.Namespace) -> None:
     from recstack.data.format import PreparedDataset
     from recstack.inference import evaluate, evaluation_rows, load_model
 
-    cfg, model = load_model(args.checkpoint)
+    cfg, model = load_model(args.checkpoint, _device(args.device))
     if args.data:
         data = PreparedDataset(args.data)
         rows, what = (0, len(data)), f"{data.path}: all {len(data)} rows (--data)"
@@ -42,7 +55,7 @@ def _cmd_predict(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {out}: expected a .npy or .csv file name")
     if out.exists() and not args.overwrite:  # checked before the (long) scoring
         raise FileExistsError(f"--out {out} exists (pass --overwrite to replace it)")
-    cfg, model = load_model(args.checkpoint)
+    cfg, model = load_model(args.checkpoint, _device(args.device))
     logits, labels = predict_logits(cfg, model, PreparedDataset(args.data), args.batch_size)
     prob = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -141,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prepared data directory" + ("" if name == "predict" else " (default: the rows the "
                              "run evaluated on: data.eval, else the held-out tail of its training set)"))
         e.add_argument("--batch-size", type=_positive_int, default=16384)
+        e.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N or auto "
+                                                       "(a GPU when there is one)")
         if name == "predict":
             e.add_argument("--out", required=True, help="scores file: .npy (probabilities) or .csv")
             e.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

@@ -282,8 +282,9 @@ def synth_config(values: dict[str, Any], where: str = "SynthConfig") -> Any:
     return cfg
 
 
-def _check_device(name: str, check_available: bool) -> None:
-    """``train.device``: auto | cpu | cuda | cuda:N; with ``check_available``, a CUDA device must exist here."""
+def check_device_name(name: str, check_available: bool, field: str = "train.device") -> None:
+    """``field`` (``train.device``, or a command's ``--device``): auto | cpu | cuda | cuda:N; with
+    ``check_available``, a CUDA device must exist here."""
     if name == "auto":
         return
     import torch
@@ -291,15 +292,15 @@ def _check_device(name: str, check_available: bool) -> None:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise ConfigError(f"train.device: {name!r} is not one of auto, cpu, cuda, cuda:N") from e
+        raise ConfigError(f"{field}: {name!r} is not one of auto, cpu, cuda, cuda:N") from e
     if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index is not None):
-        raise ConfigError(f"train.device: {name!r} is not one of auto, cpu, cuda, cuda:N")
+        raise ConfigError(f"{field}: {name!r} is not one of auto, cpu, cuda, cuda:N")
     if device.type == "cuda" and check_available:
         if not torch.cuda.is_available():
-            raise ConfigError(f"train.device: {name!r} but CUDA is not available on this machine "
+            raise ConfigError(f"{field}: {name!r} but CUDA is not available on this machine "
                               f"(use auto or cpu)")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"train.device: {name!r} but this machine has {torch.cuda.device_count()} CUDA "
+            raise ConfigError(f"{field}: {name!r} but this machine has {torch.cuda.device_count()} CUDA "
                               f"device(s)")
 
 
@@ -361,7 +362,7 @@ def validate(cfg: Config, *, check_device: bool = True) -> None:
     if m.embedding_dim <= 0:
         raise ConfigError("model.embedding_dim: must be positive")
     _check_ranges(cfg)
-    _check_device(t.device, check_device)
+    check_device_name(t.device, check_device)
     if cfg.data.synth:
         synth_config(cfg.data.synth, "data.synth")
     if m.qr_collisions < 0 or m.qr_collisions == 1 or m.qr_threshold < 0:

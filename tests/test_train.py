@@ -178,6 +178,30 @@ def test_eval_and_predict_cli(tiny_dataset: Path, tmp_path: Path, capsys: pytest
     assert p.shape == (20000,) and ((p > 0) & (p < 1)).all()
 
 
+def test_eval_and_predict_device(tiny_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--device`` picks where the model runs (default cpu); a bad or missing device is an error naming it."""
+    import torch
+
+    _train(tiny_dataset, tmp_path, ["train.max_steps=20"])
+    capsys.readouterr()
+    results = {}
+    devices = ["cpu", "auto"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        assert main(["eval", "--checkpoint", str(tmp_path), "--device", device]) == 0
+        results[device] = json.loads(capsys.readouterr().out)
+    for device in devices[1:]:
+        for k in ("auc", "logloss"):
+            assert results[device][k] == pytest.approx(results["cpu"][k], abs=1e-5), (device, k)
+    bad = [("gpu", "--device: 'gpu' is not one of auto, cpu, cuda, cuda:N"), ("cpu:1", "is not one of")]
+    if not torch.cuda.is_available():
+        bad.append(("cuda", "--device: 'cuda' but CUDA is not available on this machine"))
+    for device, message in bad:
+        for cmd in (["eval"], ["predict", "--data", str(tiny_dataset), "--out", str(tmp_path / "p.npy")]):
+            assert main([cmd[0], "--checkpoint", str(tmp_path), *cmd[1:], "--device", device]) == 2
+            assert message in capsys.readouterr().err
+    assert not (tmp_path / "p.npy").exists()
+
+
 def test_eval_of_a_one_class_set_prints_valid_json(tiny_dataset: Path, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture) -> None:
     """AUC and NE are undefined without both classes: null, as in summary.json, never the non-JSON NaN."""
