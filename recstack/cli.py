@@ -1,4 +1,5 @@
-"""The one command line: ``recstack train | eval | predict | data prepare | data synth | data inspect | exfm``."""
+"""The one command line: ``recstack train | eval | predict | data prepare | data synth | data inspect | plan |
+analyze-a2a | exfm``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from recstack import __version__
 from recstack import train as train_cmd
 from recstack.config import ConfigError
 from recstack.data.commands import add_inspect_parser, add_schema_prepare_arguments
@@ -137,6 +139,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="recstack", description=__doc__)
+    p.add_argument("--version", action="version", version=f"recstack {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model from a TOML config")

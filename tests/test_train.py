@@ -466,3 +466,15 @@ def test_resume_with_another_batch_size_continues_at_the_same_row(tiny_dataset: 
     t = Trainer(load_config(None, [*shuffled, "train.epochs=2", "train.batch_size=128"]), tmp_path / "epoch",
                 resume=True)
     assert (t.step, t.train_loader.position, t.total_steps) == (281, LoaderPosition(1, 0), 281 + 140)
+
+
+def test_version_is_the_package_version(capsys: pytest.CaptureFixture) -> None:
+    import tomllib
+
+    import recstack
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert capsys.readouterr().out.strip() == f"recstack {recstack.__version__}" == f"recstack {project['version']}"
