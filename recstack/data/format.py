@@ -32,7 +32,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -428,7 +428,7 @@ class PreparedDataset:
             torch.from_numpy(np.concatenate(weights)) if self.needs_weights else None,
         )
 
-    def _id_error(self, array: str, rows: slice | np.ndarray, r: int, feature: int, value: int) -> None:
+    def _id_error(self, array: str, rows: slice | np.ndarray, r: int, feature: int, value: int) -> NoReturn:
         """Raise for id ``value`` of sparse feature #``feature`` in the ``r``-th selected row: outside its table,
         it would look up a row of the next table in a fused collection (or fail on a device with an assert)."""
         row = rows.start + r if isinstance(rows, slice) else int(rows[r])
