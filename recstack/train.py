@@ -24,7 +24,10 @@ def run(args: argparse.Namespace) -> dict:
 
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg, args.output_dir, resume=args.resume, overwrite=args.overwrite)
-    summary = trainer.train()
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
     if not trainer.is_main:
         return summary
     print(json.dumps(summary, indent=2))

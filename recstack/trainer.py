@@ -418,6 +418,13 @@ class Trainer:
         self.logger.close()
         return summary
 
+    def close(self) -> None:
+        """Release what the run holds besides memory: the cached embedding tiers' prefetch thread and table files.
+        The model cannot look up cached rows afterwards."""
+        close = getattr(self.model.embeddings, "close", None)
+        if close is not None:
+            close()
+
     def _reached_target(self, result: dict[str, float]) -> bool:
         """Whether this evaluation reaches train.target_auc for the first time (recorded as target_step)."""
         t = self.cfg.train

@@ -66,6 +66,27 @@ def test_trainer_with_budgets_matches_all_in_memory(
     assert ckpt.is_dir() and (ckpt / "state.pt").is_file() and len(list((ckpt / "tables").iterdir())) == 4
 
 
+def test_trainer_close_releases_the_table_files(tiny_dataset: Path, tmp_path: Path) -> None:
+    """`recstack train` closes the trainer at its end; a library user calls ``Trainer.close`` (an SSD tier keeps a
+    file open until then)."""
+    import os
+
+    def open_in(directory: Path) -> list[str]:
+        fds = Path("/proc/self/fd")
+        links = [os.readlink(fd) for fd in fds.iterdir() if fd.is_symlink()] if fds.is_dir() else []
+        return [x for x in links if x.startswith(str(directory))]
+
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd to see open files")
+    cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, "train.max_steps=5", *SSD,
+                             f'memory.ssd_dir="{tmp_path / "ssd"}"'])
+    trainer = Trainer(cfg, None)
+    trainer.train()
+    assert open_in(tmp_path / "ssd")
+    trainer.close()
+    assert open_in(tmp_path / "ssd") == []
+
+
 def test_memory_config_errors_name_the_key(tiny_dataset: Path) -> None:
     with pytest.raises(ConfigError, match="memory.device: '2 parsecs' is not a size"):
         load_config(None, ['memory.device="2 parsecs"'])
