@@ -1,7 +1,9 @@
-"""Shared fixtures: a small prepared data set with a learnable click signal, and the real Criteo samples."""
+"""Shared fixtures: a small prepared data set with a learnable click signal, and the real Criteo samples; the
+torchrun command the distributed tests start."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +13,13 @@ from recstack.data.format import PreparedWriter, SparseFeatureSpec
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def torchrun(n: int = 2, *options: str) -> list[str]:
+    """The command that starts ``recstack`` on ``n`` local ranks under torchrun, as a user runs it (``options``:
+    torchrun's own, such as ``--max-restarts 1``)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *options,
+            "-m", "recstack"]
 
 
 def write_tiny_dataset(path: Path, rows: int = 20000, seed: int = 0) -> Path:

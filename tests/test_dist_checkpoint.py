@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun
 
 COMMON = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.threads=1",
           "train.progress=false", "train.log_every=10", 'optim.sparse="rowwise_adagrad"', "train.eval_batch_size=512"]
@@ -24,8 +25,7 @@ METRICS = ("auc", "logloss", "ne", "calibration", "train_samples", "steps")
 def _torchrun(n: int, data: Path, out: Path, extra: list[str], resume: bool = False,
               log: list[str] | None = None) -> dict:
     """Train with ``n`` ranks -> summary.json (the ranks' stdout is appended to ``log`` when given)."""
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-            "-m", "recstack", "train", "--output-dir", str(out), "--set", f'data.train="{data}"']
+    args = [*torchrun(n), "train", "--output-dir", str(out), "--set", f'data.train="{data}"']
     if resume:
         args.append("--resume")
     for o in [*COMMON, *extra]:
@@ -146,8 +146,7 @@ def test_checkpoint_of_other_table_sizes_stops_every_rank(tiny_dataset: Path, tm
     layout = ["train.batch_size=32", 'dist.sharding="row_wise"', "dist.timeout_s=60"]
     _torchrun(2, tiny_dataset, run, [*layout, "train.max_steps=4", "train.checkpoint_every=4",
                                      "model.max_table_size=5"])
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "-m", "recstack", "train", "--output-dir", str(run), "--set", f'data.train="{tiny_dataset}"', "--resume"]
+    args = [*torchrun(2), "train", "--output-dir", str(run), "--set", f'data.train="{tiny_dataset}"', "--resume"]
     for o in [*COMMON, *layout, "train.max_steps=8", "model.max_table_size=20"]:
         args += ["--set", o]
     started = time.time()

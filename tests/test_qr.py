@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import torchrun
 
 from recstack.cli import main
 from recstack.config import Config, ConfigError, load_config
@@ -165,8 +166,7 @@ def test_torchrun_two_ranks_match_single(tiny_dataset: Path, tmp_path: Path, sha
         return json.loads((out / "summary.json").read_text())
 
     one = run([sys.executable, "-m", "recstack"], tmp_path / "one", ["train.batch_size=128"])
-    two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-               "recstack"], tmp_path / "two", ["train.batch_size=64", f'dist.sharding="{sharding}"'])
+    two = run(torchrun(2), tmp_path / "two", ["train.batch_size=64", f'dist.sharding="{sharding}"'])
     assert two["world_size"] == 2
     for k in ("auc", "logloss", "ne"):
         assert two[k] == pytest.approx(one[k], abs=1e-5), k

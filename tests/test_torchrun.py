@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import torchrun
 
+TORCHRUN = torchrun(2)
 COMMON = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.threads=1",
           "train.progress=false", "train.max_steps=60", "train.log_every=20"]
 
@@ -33,13 +35,11 @@ def single(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 def test_torchrun_two_ranks_match_single(
     tiny_dataset: Path, tmp_path: Path, single: dict, sharding: str, codec: str, aggregate: bool
 ) -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "-m", "recstack"]
     extra = ["train.batch_size=64", f'dist.sharding="{sharding}"', f'dist.forward_codec="{codec}"',
              f'dist.backward_codec="{codec}"', f"dist.aggregate_gradients={str(aggregate).lower()}"]
     if aggregate:  # evaluations between steps while the loader thread routes the next training batch
         extra.append("train.eval_every=15")
-    two = _train(torchrun, tiny_dataset, tmp_path / "two", extra)
+    two = _train(TORCHRUN, tiny_dataset, tmp_path / "two", extra)
     assert two["world_size"] == 2 and two["train_samples"] == single["train_samples"]
     tol = 1e-5 if codec == "fp32" else 2e-3  # fp16 messages: close, not equal
     for k in ("auc", "logloss", "ne"):
@@ -55,9 +55,7 @@ def test_torchrun_learning_rate_schedule_matches_single(tiny_dataset: Path, tmp_
              'optim.sparse="rowwise_adagrad"', 'dist.sharding="row_wise"']
     single = _train([sys.executable, "-m", "recstack"], tiny_dataset, tmp_path / "one",
                     ["train.batch_size=128", *sched])
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "-m", "recstack"]
-    two = _train(torchrun, tiny_dataset, tmp_path / "two", ["train.batch_size=64", *sched])
+    two = _train(TORCHRUN, tiny_dataset, tmp_path / "two", ["train.batch_size=64", *sched])
     plain = _train([sys.executable, "-m", "recstack"], tiny_dataset, tmp_path / "plain",
                    ["train.batch_size=128", 'optim.sparse="rowwise_adagrad"'])
     assert two["world_size"] == 2 and single["logloss"] != plain["logloss"]  # the schedule changed the run
@@ -73,9 +71,7 @@ def test_planner_plan_trains_and_matches(tiny_dataset: Path, tmp_path: Path, sin
                  "--out", str(plan)]) == 0
     placed = {t["name"]: t["sharding"] for t in json.loads(plan.read_text())["tables"]}
     assert sorted(placed) == ["C1", "C2", "C3", "C4"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "-m", "recstack"]
-    two = _train(torchrun, tiny_dataset, tmp_path / "two", ["train.batch_size=64", f'dist.plan="{plan}"'])
+    two = _train(TORCHRUN, tiny_dataset, tmp_path / "two", ["train.batch_size=64", f'dist.plan="{plan}"'])
     for k in ("auc", "logloss"):
         assert two[k] == pytest.approx(single[k], abs=1e-5), k
 
@@ -88,8 +84,7 @@ def test_max_restarts_resumes_from_checkpoint(tiny_dataset: Path, tmp_path: Path
     import time
 
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "--max-restarts", "1", "-m", "recstack", "train", "--output-dir", str(out),
+    args = [*torchrun(2, "--max-restarts", "1"), "train", "--output-dir", str(out),
             "--set", f'data.train="{tiny_dataset}"']
     for o in [*COMMON, "train.batch_size=64", "train.checkpoint_every=20", 'dist.sharding="row_wise"']:
         args += ["--set", o]
@@ -109,7 +104,6 @@ def test_max_restarts_resumes_from_checkpoint(tiny_dataset: Path, tmp_path: Path
         assert summary[k] == pytest.approx(single[k], abs=1e-5), k
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "recstack"]
 
 
 def test_last_eval_batch_leaves_a_rank_without_rows(tmp_path: Path) -> None:
