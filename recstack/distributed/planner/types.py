@@ -358,11 +358,7 @@ def _validate_entry(t: TableSharding, where: str, topo: Topology, rows: int | No
         if empty:
             raise PlanError(f"{where}: field 'ranks': {rows} rows in blocks of {math.ceil(rows / k)} over {k} "
                             f"ranks leave shard(s) {empty} empty; use fewer ranks")
-    if t.sharding == "table_row_wise":
-        nodes = sorted({topo.node_of(r) for r in t.ranks})
-        if len(nodes) != 1:
-            raise PlanError(f"{where}: field 'ranks': table_row_wise ranks {t.ranks} span nodes {nodes} "
-                            f"({topo.devices_per_node} ranks per node); they must share one node")
+    _check_one_node(t, where, topo)
     if t.memory_bytes_per_rank is None:
         if estimates:
             raise PlanError(f"{where}: missing field 'memory_bytes_per_rank'")
@@ -372,6 +368,23 @@ def _validate_entry(t: TableSharding, where: str, topo: Topology, rows: int | No
     if set(t.memory_bytes_per_rank) != set(t.ranks):
         raise PlanError(f"{where}: field 'memory_bytes_per_rank' names ranks {sorted(t.memory_bytes_per_rank)}, "
                         f"the table is on ranks {sorted(t.ranks)}")
+
+
+def _check_one_node(t: TableSharding, where: str, topo: Topology, planned_for: Topology | None = None) -> None:
+    """A table_row_wise table's ranks share one node of ``topo``. ``planned_for``: the plan's own topology, when
+    ``topo`` is the running job's and splits the ranks into nodes differently (the error says what to plan for)."""
+    if t.sharding != "table_row_wise":
+        return
+    nodes = sorted({topo.node_of(r) for r in t.ranks})
+    if len(nodes) == 1:
+        return
+    if planned_for is None:
+        raise PlanError(f"{where}: field 'ranks': table_row_wise ranks {t.ranks} span nodes {nodes} "
+                        f"({topo.devices_per_node} ranks per node); they must share one node")
+    raise PlanError(f"{where}: field 'ranks': table_row_wise ranks {t.ranks} span nodes {nodes} of this job "
+                    f"({topo.devices_per_node} ranks per node; the plan is for {planned_for.nodes} x "
+                    f"{planned_for.devices_per_node}); they must share one node: plan again with --topology "
+                    f"{topo.nodes}x{topo.devices_per_node}")
 
 
 @contextmanager
@@ -397,13 +410,7 @@ class PlanPlacements(list):
             plan.check_names(names)
             if job is not None and job.devices_per_node != plan.topology.devices_per_node:
                 for i, t in enumerate(plan.tables):
-                    nodes = sorted({job.node_of(r) for r in t.ranks}) if t.sharding == "table_row_wise" else [0]
-                    if len(nodes) != 1:
-                        raise PlanError(
-                            f"plan table {i} ({t.name!r}): field 'ranks': table_row_wise ranks {t.ranks} span "
-                            f"nodes {nodes} of this job ({job.devices_per_node} ranks per node; the plan is for "
-                            f"{plan.topology.nodes} x {plan.topology.devices_per_node}); they must share one "
-                            f"node: plan again with --topology {job.nodes}x{job.devices_per_node}")
+                    _check_one_node(t, f"plan table {i} ({t.name!r})", job, plan.topology)
         super().__init__((plan.table(n).sharding, list(plan.table(n).ranks)) for n in names)
 
     def check(self, tables: Sequence[TableSpec]) -> None:
