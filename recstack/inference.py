@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from recstack.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, load_checkpoint
+from recstack.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint
 from recstack.config import Config, config_from_dict
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
-from recstack.distributed.checkpoint import SHARDED_STATE_FILE, list_sharded, read_full_tables
+from recstack.distributed.checkpoint import (
+    SHARDED_STATE_FILE,
+    list_sharded,
+    read_full_tables,
+    read_trainer_state,
+)
 from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_model, capped_table_sizes
 from recstack.models.dlrm import DLRM
@@ -40,7 +44,7 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
     else:
         state = load_checkpoint(path, device)
     if sharded is not None:
-        state = load_sharded_state(sharded, device)
+        state = {**read_trainer_state(sharded, device), "path": str(sharded)}
     where = state.get("path", str(path))
     missing = [k for k in ("config", "num_dense", "table_sizes", "model") if k not in state]
     if missing:  # e.g. an ExFM stream's checkpoint
@@ -64,18 +68,6 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
         restore(state.get("checkpoint_dir"))
     model.eval()
     return cfg, model
-
-
-def load_sharded_state(path: Path, device: str | torch.device) -> dict[str, Any]:
-    """A sharded checkpoint's replicated state (dense model, config, table sizes), read without a process
-    group; its tables are read by :func:`read_full_tables`."""
-    try:
-        state = torch.load(path / SHARDED_STATE_FILE, map_location=device, weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{path / SHARDED_STATE_FILE}: unreadable ({type(e).__name__}: {e})") from e
-    if not isinstance(state, dict) or state.get("complete") is not True:
-        raise CheckpointError(f"{path / SHARDED_STATE_FILE}: incomplete checkpoint")
-    return {**state, "path": str(path)}
 
 
 def run_directory(checkpoint: str | Path) -> Path | None:

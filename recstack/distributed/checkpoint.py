@@ -247,15 +247,26 @@ def load_sharded(path: Path, coll: ShardedEmbeddingCollection, map_location: tor
     error: BaseException | None = None
     state: dict[str, Any] = {}
     try:
-        state = torch.load(path / SHARDED_STATE_FILE, map_location=map_location, weights_only=True)
-        if state.get("complete") is not True:
-            raise RuntimeError(f"{path}: incomplete checkpoint")
+        state = read_trainer_state(path, map_location)
         mine = rank_file(path, dist.get_rank())
         if mine.is_file():
             state.update(torch.load(mine, map_location=map_location, weights_only=True))
     except Exception as e:  # every rank learns of it in load_embedding_state, before anyone reads shards
         error = e
     load_embedding_state(coll, path, error)
+    return state
+
+
+def read_trainer_state(path: Path, map_location: str | torch.device) -> dict[str, Any]:
+    """A sharded checkpoint's replicated state (dense model and optimizer, data position, config, table sizes),
+    no process group needed; :class:`CheckpointError` when the file is unreadable or incomplete."""
+    file = path / SHARDED_STATE_FILE
+    try:
+        state = torch.load(file, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict) or state.get("complete") is not True:
+        raise CheckpointError(f"{file}: incomplete checkpoint")
     return state
 
 
