@@ -408,8 +408,9 @@ class PreparedDataset:
             else:
                 n, pos = self._bag_positions(s.name, rows, b)
                 bag_ids = np.asarray(self.arrays[f"{s.name}.values"][pos], dtype=np.int64)
-                if bag_ids.size and (bag_ids.min() < 0 or bag_ids.max() >= s.num_embeddings):
-                    k = int(np.argmax((bag_ids < 0) | (bag_ids >= s.num_embeddings)))
+                bad = bag_ids.view(np.uint64) >= s.num_embeddings  # as above: one pass, negatives included
+                if bad.any():
+                    k = int(np.argmax(bad))
                     r = int(np.searchsorted(np.cumsum(n), k, side="right"))  # the bag holding id k
                     self._id_error(f"{s.name}.values", rows, r, len(ids), int(bag_ids[k]))
                 ids.append(bag_ids)
