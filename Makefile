@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint bench bench-dist clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard recstack/compression/_eb*.[ch])
+$(STAMP): pyproject.toml setup.py $(wildcard recstack/compression/eb/_eb*.[ch])
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
@@ -30,7 +30,7 @@ BENCH_STAMP := $(BENCH_VENV)/.installed
 BENCH_TORCH ?= 2.13.0
 BENCH_ARGS  ?=
 
-$(BENCH_STAMP): pyproject.toml setup.py $(wildcard recstack/compression/_eb*.[ch])
+$(BENCH_STAMP): pyproject.toml setup.py $(wildcard recstack/compression/eb/_eb*.[ch])
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_PY) -m pip install -q --upgrade pip
 	$(BENCH_PY) -m pip install -q torch==$(BENCH_TORCH)

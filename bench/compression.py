@@ -39,10 +39,10 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from recstack.compression.analyze import code_stats  # noqa: E402
-from recstack.compression.baselines import available_baselines  # noqa: E402
-from recstack.compression.capture import find_payloads  # noqa: E402
-from recstack.data.criteo import KAGGLE_CARDINALITIES, TERABYTE_CARDINALITIES  # noqa: E402
+from recstack.compression.analysis.analyze import code_stats  # noqa: E402
+from recstack.compression.analysis.baselines import available_baselines  # noqa: E402
+from recstack.compression.analysis.capture import find_payloads  # noqa: E402
+from recstack.data.prepare.criteo import KAGGLE_CARDINALITIES, TERABYTE_CARDINALITIES  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 CODECS = ["eb", "eb-bitpack", "sz3-nopred", "sz3", "zfp", "fp16", "int8", "zstd-q"]

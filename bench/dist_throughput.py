@@ -7,7 +7,7 @@ int8 at a wider row the same tables at dim 64 with the Terabyte MLPs (bottom 13-
 Ids are Zipf-like, written once into a prepared data set that every step reads through the trainer's own
 ``BatchLoader`` (per-rank batch ``--batch``, 1024 by default).
 
-Each recstack model is a real ``recstack.trainer.Trainer`` built under the distributed launch (sharding from
+Each recstack model is a real ``recstack.training.trainer.Trainer`` built under the distributed launch (sharding from
 ``dist.sharding`` or a plan, DDP for the dense part); a step is ``Trainer.train_step``. Precision is switched
 on the sharded collection (``forward_codec``/``backward_codec``, both directions alike); pipelining uses the
 trainer's own loader transform (``dist.pipeline``: the prefetch thread distributes the next batch's ids on
@@ -54,8 +54,8 @@ if str(ROOT) not in sys.path:
 
 from bench.dist_worker import CODECS, SHARDINGS, Case  # noqa: E402
 from bench.train_throughput import machine_info, zipf_ids  # noqa: E402
-from recstack.data.criteo import KAGGLE_CARDINALITIES, SPARSE_NAMES  # noqa: E402
 from recstack.data.format import PreparedWriter, SparseFeatureSpec  # noqa: E402
+from recstack.data.prepare.criteo import KAGGLE_CARDINALITIES, SPARSE_NAMES  # noqa: E402
 from recstack.models.build import capped_table_sizes  # noqa: E402
 
 WORLD = 2

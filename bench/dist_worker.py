@@ -25,7 +25,7 @@ from recstack.data.batch import Batch
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.models.build import capped_table_sizes
-from recstack.trainer import Trainer
+from recstack.training.trainer import Trainer
 
 CODECS = ("fp32", "fp16", "bf16", "fp8", "int8")
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")

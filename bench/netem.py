@@ -198,8 +198,8 @@ def run_case(cluster: NetemCluster, data: Path, work: Path, codec: str, seed: in
 
 
 def make_data(work: Path, rows: int) -> Path:
-    from recstack.data.criteo import TERABYTE_CARDINALITIES
-    from recstack.data.synth import SynthConfig, generate
+    from recstack.data.prepare.criteo import TERABYTE_CARDINALITIES
+    from recstack.data.synth.generate import SynthConfig, generate
 
     data = work / "data"
     if not (data / "meta.json").is_file():

@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
 from recstack.config import ModelConfig, load_config  # noqa: E402
 from recstack.data.format import PreparedDataset  # noqa: E402
 from recstack.embedding.qr import split_rows  # noqa: E402
-from recstack.trainer import Trainer  # noqa: E402
+from recstack.training.trainer import Trainer  # noqa: E402
 
 
 def equal_rows_cap(sizes: list[int], rows: int) -> int:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seeds = [int(s) for s in a.seeds.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
-        from recstack.data.synth import SynthConfig, generate
+        from recstack.data.synth.generate import SynthConfig, generate
 
         generate(SynthConfig(rows=a.rows, seed=0, max_table_size=a.max_rows), data, progress=False)
         sizes = PreparedDataset(data).table_sizes

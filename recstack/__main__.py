@@ -2,6 +2,6 @@
 
 import sys
 
-from recstack.cli import main
+from recstack.cli.main import main
 
 sys.exit(main())

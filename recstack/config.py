@@ -69,9 +69,9 @@ class OptimConfig:
     sparse_lr: float = 0.1
     eps: float = 1e-8
     adagrad_init: float = 0.0
-    # Both learning rates x a schedule (recstack.lr_schedule): linear warm-up over lr_warmup_steps (the first update
-    # at 1/lr_warmup_steps), then from lr_decay_start_step a quadratic decay to 0 over lr_decay_steps (0 = none), as
-    # the DLRM reference.
+    # Both learning rates x a schedule (recstack.training.lr_schedule): linear warm-up over lr_warmup_steps (the first
+    # update at 1/lr_warmup_steps), then from lr_decay_start_step a quadratic decay to 0 over lr_decay_steps (0 =
+    # none), as the DLRM reference.
     lr_warmup_steps: int = 0
     lr_decay_start_step: int = 0
     lr_decay_steps: int = 0
@@ -268,7 +268,7 @@ def config_from_dict(values: dict[str, Any], *, check_device: bool = False) -> C
 def synth_config(values: dict[str, Any], where: str = "SynthConfig") -> Any:
     """``recstack.data.synth.SynthConfig`` from a table of its options; an unknown key, a value of the wrong
     type or out of range is a ConfigError naming ``where`` and the key (``data.synth.rows: must be >= 1``)."""
-    from recstack.data.synth import SynthConfig
+    from recstack.data.synth.generate import SynthConfig
 
     probe = SynthConfig()
     fill(probe, values, where)  # unknown keys and types, values converted (a TOML list to a tuple)
@@ -386,7 +386,7 @@ def validate(cfg: Config, *, check_device: bool = True) -> None:
                           "of an aggregated gradient belong to different ids every step, so no residual carries)")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")
-    from recstack.lr_schedule import LRSchedule
+    from recstack.training.lr_schedule import LRSchedule
 
     try:
         LRSchedule(o.lr_warmup_steps, o.lr_decay_start_step, o.lr_decay_steps)
@@ -396,7 +396,7 @@ def validate(cfg: Config, *, check_device: bool = True) -> None:
         cfg.compression.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    from recstack.embedding.tiered_placement import parse_bytes  # here: the embedding package imports torch
+    from recstack.embedding.tiered.placement import parse_bytes  # here: the embedding package imports torch
 
     for key in ("device", "host"):
         try:

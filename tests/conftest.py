@@ -13,6 +13,8 @@ from recstack.data.format import PreparedWriter, SparseFeatureSpec
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+if str(REPO) not in sys.path:  # the tests of bench/ scripts import them as ``bench.<script>``
+    sys.path.insert(0, str(REPO))
 
 
 def torchrun(n: int = 2, *options: str) -> list[str]:

@@ -1,7 +1,7 @@
 """What the trainer needs from recstack.compression: the codecs for ``dist.forward_codec`` /
 ``dist.backward_codec``, their per-chunk table map, the iteration, metrics, and payload capture.
 
-Usage (``recstack.trainer``)::
+Usage (``recstack.training.trainer``)::
 
     comp = CompressionRuntime(cfg, output_dir, rank, world)
     fwd, bwd = comp.codecs()            # names, or configured EbCodec instances for "eb"
@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from recstack.compression.bounds import DualLevelBound
-from recstack.compression.capture import PayloadRecorder
-from recstack.compression.codec import EbCodec
-from recstack.distributed.codecs import ChunkKey
+from recstack.compression.analysis.capture import PayloadRecorder
+from recstack.compression.base import ChunkKey
+from recstack.compression.eb.bounds import DualLevelBound
+from recstack.compression.eb.codec import EbCodec
 
 
 def chunk_table_map(collection: torch.nn.Module) -> Any:

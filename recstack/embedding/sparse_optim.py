@@ -60,7 +60,7 @@ class SparseOptimizer:
 
     def __init__(self, config: SparseOptimizerConfig) -> None:
         self.config = config
-        self.lr_scale = 1.0  # set per step by a learning-rate schedule (recstack.lr_schedule)
+        self.lr_scale = 1.0  # set per step by a learning-rate schedule (recstack.training.lr_schedule)
 
     @property
     def needs_accumulator(self) -> bool:

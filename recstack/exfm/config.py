@@ -17,7 +17,7 @@ from recstack.config import synth_config as checked_synth_config
 from recstack.config import validate as validate_model
 
 if TYPE_CHECKING:
-    from recstack.data.synth import SynthConfig
+    from recstack.data.synth.generate import SynthConfig
     from recstack.exfm.movielens import MovieLensConfig
 
 ARMS = ("alone", "distill", "distill_sa", "aux", "aux_sa")

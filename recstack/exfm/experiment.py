@@ -54,7 +54,7 @@ def prepare_stream(cfg: ExfmConfig, out: Path, seed: int) -> Path:
         if not (path / "meta.json").is_file():
             prepare_movielens(ml, path, overwrite=True)
         return path
-    from recstack.data.synth import generate
+    from recstack.data.synth.generate import generate
 
     synth = synth_config(cfg.data.synth, seed if cfg.experiment.vary_data_seed else None)
     path = out / "data" / f"synth_seed{synth.seed}_{_tag(synth.to_dict())}"

@@ -1,7 +1,7 @@
 """The foundation model (FM): a larger DLRM trained on the stream of every vertical, publishing snapshots.
 
 The FM trains window after window (``StreamTrainer``) and, after every ``publish_every`` windows, publishes a
-snapshot whose version is the number of windows it has trained on. Snapshots are ``recstack.checkpoint``
+snapshot whose version is the number of windows it has trained on. Snapshots are ``recstack.training.checkpoint.single``
 files (written to a temporary name, fsynced and renamed), so the DAS, polling the directory from another
 process, sees a version whole or not at all. Each snapshot carries what is needed to rebuild the model.
 """
@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from recstack.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from recstack.config import fill
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
@@ -26,7 +25,8 @@ from recstack.exfm.windows import VerticalIndex, Window
 from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_dense_optimizer, build_model, capped_table_sizes
 from recstack.models.dlrm import DLRM
-from recstack.trainer import seed_everything
+from recstack.training.checkpoint.single import checkpoint_path, load_checkpoint, save_checkpoint
+from recstack.training.trainer import seed_everything
 
 EVAL_BATCH = 4096
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from recstack.data.format import PreparedWriter, SparseFeatureSpec
-from recstack.data.readers.base import DataError
+from recstack.data.prepare.readers.base import DataError
 
 GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama",
           "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller", "War", "Western")

@@ -9,7 +9,7 @@ import torch
 from recstack.config import Config
 from recstack.embedding import EmbeddingCollection, FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
 from recstack.embedding.qr import QRSplit
-from recstack.embedding.tiered_placement import build_collection, memory_budgets_set
+from recstack.embedding.tiered.placement import build_collection, memory_budgets_set
 from recstack.models.dlrm import DLRM
 
 

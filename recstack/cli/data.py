@@ -1,0 +1,89 @@
+"""Command-line parts of ``recstack data prepare --schema`` and ``recstack data inspect``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_schema_prepare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schema", help="TOML schema (configs/schemas/*.toml): read Parquet, CSV/TSV or libFM input "
+                                    "with it instead of Criteo's fixed layout")
+    p.add_argument("--valid", nargs="+", action="extend", default=[], metavar="FILE",
+                   help="with --schema: files of the validation split (written to OUT/valid)")
+    p.add_argument("--test", nargs="+", action="extend", default=[], metavar="FILE",
+                   help="with --schema: files of the test split (written to OUT/test)")
+    p.add_argument("--stats-from", metavar="DIR",
+                   help="with --schema: reuse the vocabularies and dense statistics of an earlier prepared "
+                        "training directory instead of computing them")
+    p.add_argument("--chunk-rows", type=int, default=65536,
+                   help="with --schema: rows read and encoded at a time (bounds memory)")
+    p.add_argument("--no-progress", action="store_true", help="with --schema: no progress bar")
+
+
+def run_schema_prepare(args: argparse.Namespace) -> None:
+    from recstack.data.prepare.schema import load_schema
+    from recstack.data.prepare.schema_prepare import prepare_dataset
+
+    if not args.schema:
+        raise ValueError("--valid, --test and --stats-from need --schema")
+    if args.max_ind_range is not None or args.vocab_min_freq is not None:
+        raise ValueError("--max-ind-range and --vocab-min-freq are Criteo options; with --schema, set hash_size "
+                         "or min_freq per feature in the schema")
+    report = prepare_dataset(
+        load_schema(args.schema), args.inputs, args.out, valid_inputs=args.valid, test_inputs=args.test,
+        stats_from=args.stats_from, skip_bad_rows=args.skip_bad_rows, overwrite=args.overwrite,
+        chunk_rows=args.chunk_rows, progress=not args.no_progress,
+    )
+    for split, path in report.outputs.items():
+        print(f"{split}: {report.rows[split]:,} rows -> {path}")
+    print(f"prepared {report.total_rows:,} rows in {report.seconds:.1f}s ({report.rows_per_sec:,.0f} rows/s)")
+    print("tables: " + ", ".join(f"{t} {n:,} rows" for t, n in report.tables.items()))
+    if report.skipped:
+        print(f"skipped {report.skipped} bad rows, first ones:")
+        for bad in report.bad_rows[:20]:
+            print(f"  {bad}")
+
+
+def add_inspect_parser(data: argparse._SubParsersAction) -> None:
+    p = data.add_parser("inspect", help="statistics of a raw file (Parquet, CSV/TSV, libFM) or a prepared directory")
+    p.add_argument("paths", nargs="+", metavar="FILE|DIR", help="raw files, a directory of Parquet parts, or a "
+                                                                 "prepared directory")
+    p.add_argument("--schema", help="read the file as this schema describes it ([source], [label])")
+    p.add_argument("--label", help="the label column (default: a column named like label, click, target, ...)")
+    p.add_argument("--rows", type=int, default=0, help="look at the first N rows only (default: all)")
+    p.add_argument("--infer-schema", metavar="OUT", help="write a schema inferred from the statistics to OUT "
+                                                         "('-' prints it), for editing")
+    p.add_argument("--max-table-size", type=int, default=0, help="prepared data: the model.max_table_size cap")
+    p.add_argument("--embedding-dim", type=int, default=16, help="prepared data: for the table memory column")
+    p.set_defaults(func=run_inspect)
+
+
+def run_inspect(args: argparse.Namespace) -> None:
+    from recstack.data.prepare.inspect import format_file_report, format_prepared_report, inspect_file, inspect_prepared
+    from recstack.data.prepare.schema import LabelSpec, load_schema, schema_to_toml
+
+    first = Path(args.paths[0])
+    if (first / "meta.json").is_file():
+        if args.infer_schema:
+            raise ValueError(f"{first} is prepared data: --infer-schema reads raw files")
+        print(format_prepared_report(inspect_prepared(first, args.max_table_size, args.embedding_dim)))
+        return
+    schema = load_schema(args.schema) if args.schema else None
+    label = schema.label if schema else (LabelSpec(column=args.label) if args.label else None)
+    report = inspect_file(args.paths, schema.source if schema else None, label, args.rows)
+    if args.infer_schema != "-":
+        print(format_file_report(report))
+    if args.infer_schema:
+        from recstack.data.prepare.infer import infer_schema
+
+        inferred, comments = infer_schema(report, args.label)
+        header = (f"# Inferred by `recstack data inspect` from {', '.join(map(str, report.paths[:3]))}"
+                  f" ({report.rows:,} rows). Check every choice before preparing.\n\n")
+        text = header + schema_to_toml(inferred, comments)
+        if args.infer_schema == "-":
+            sys.stdout.write(text)
+        else:
+            Path(args.infer_schema).write_text(text)
+            print(f"\nwrote the inferred schema to {args.infer_schema}")

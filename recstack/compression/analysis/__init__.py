@@ -1,0 +1,1 @@
+"""Payload capture (``recstack train --dump-a2a``), analysis (``recstack analyze-a2a``) and baselines."""

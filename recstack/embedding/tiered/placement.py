@@ -1,0 +1,195 @@
+"""Placement of embedding tables on storage tiers from memory budgets (``[memory]`` in the config).
+
+The plan, for tables of ``row_bytes`` per row (D float32 weights, plus one accumulator with row-wise Adagrad):
+
+1. Without a device budget, or when every table fits in it, every table stays on the device.
+2. Otherwise tables are taken in order of bytes per feature that looks them up (small tables, and tables several
+   features share, are the hottest per byte) and kept on the device while what is left of the device budget
+   still covers a minimum cache (1% of the rows, at least one set of 32) for each table not kept.
+3. The rest of the device budget becomes the caches of the other tables, the same fraction of each table's
+   rows (so a cache holds 5% of its table when the leftover is 5% of their bytes); a table whose share is below
+   its minimum cache gets the minimum and the others share the rest, so the plan never exceeds the budget (a
+   budget below the minimum caches gives caches as large as it allows, down to one row; below that, an error).
+4. Their rows go to host memory while the host budget lasts (smallest first), then to files in ``ssd_dir``.
+
+The plan is printed as a table when the trainer builds the model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import TextIO
+
+import torch
+
+from recstack.config import Config
+from recstack.embedding.collection import EmbeddingCollection, FusedEmbeddingBagCollection, TableConfig
+from recstack.embedding.sparse_optim import SparseOptimizerConfig
+from recstack.embedding.tiered.cache import POLICIES
+from recstack.embedding.tiered.collection import TablePlacement, TieredEmbeddingCollection
+from recstack.embedding.tiered.store import record_width
+
+MIN_CACHE_FRACTION = 0.01
+MIN_CACHE_ROWS = 32  # one set of the set-associative cache
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: int | str) -> int | None:
+    """``2_000_000``, ``"512MB"``, ``"2GiB"``, ``"1.5 GB"`` -> bytes; ``""`` -> None (no budget)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value}")
+        return value
+    if value.strip() == "":
+        return None
+    m = _SIZE.match(value)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{value!r} is not a size (bytes, or a number with B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _min_cache_rows(table: TableConfig) -> int:
+    return min(table.num_embeddings, max(MIN_CACHE_ROWS, math.ceil(MIN_CACHE_FRACTION * table.num_embeddings)))
+
+
+def plan_placement(
+    tables: list[TableConfig],
+    row_bytes: int,
+    device_budget: int | None,
+    host_budget: int | None = None,
+    ssd_dir: str = "",
+    policy: str = "lru",
+) -> list[TablePlacement]:
+    """One ``TablePlacement`` per table (same order) within the budgets (bytes; None = unlimited)."""
+    if policy not in POLICIES:
+        raise ValueError(f"cache policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    size = [t.num_embeddings * row_bytes for t in tables]
+    if device_budget is None or sum(size) <= device_budget:
+        return [TablePlacement("device") for _ in tables]
+    order = sorted(range(len(tables)), key=lambda i: (size[i] / max(1, len(tables[i].features)), i))
+    on_device: set[int] = set()
+    used = 0
+    for i in order:
+        others = [j for j in range(len(tables)) if j != i and j not in on_device]
+        reserve = sum(_min_cache_rows(tables[j]) * row_bytes for j in others)
+        if used + size[i] + reserve <= device_budget:
+            on_device.add(i)
+            used += size[i]
+    cached = [i for i in range(len(tables)) if i not in on_device]
+    cache_rows = _cache_rows(tables, cached, device_budget - used, row_bytes)
+    host_used = 0
+    tiers: dict[int, str] = {}
+    for i in sorted(cached, key=lambda i: (size[i], i)):
+        if host_budget is None or host_used + size[i] <= host_budget:
+            tiers[i], host_used = "host-cached", host_used + size[i]
+        elif ssd_dir:
+            tiers[i] = "ssd-cached"
+        else:
+            left = "unlimited" if host_budget is None else format_bytes(host_budget - host_used)
+            raise ValueError(
+                f"table {tables[i].name!r} ({format_bytes(size[i])}) fits neither memory.device nor memory.host "
+                f"({left} left): set memory.ssd_dir or raise a budget"
+            )
+    out = []
+    for i in range(len(tables)):
+        if i in on_device:
+            out.append(TablePlacement("device"))
+        else:
+            out.append(TablePlacement(tiers[i], cache_rows[i], policy))
+    return out
+
+
+def _cache_rows(tables: list[TableConfig], cached: list[int], budget: int, row_bytes: int) -> dict[int, int]:
+    """Split ``budget`` bytes into the caches of tables ``cached`` -> {table: cache rows}: the same fraction of
+    each table's rows, except that a table whose share is below its minimum cache gets the minimum and the others
+    share what is left, so the caches together never exceed the budget. A budget below the minimum caches gives
+    caches as large as it allows, down to one row."""
+    minimum = {i: _min_cache_rows(tables[i]) for i in cached}
+    if budget < sum(minimum.values()) * row_bytes:
+        minimum = dict.fromkeys(cached, 1)  # any cache size works (rows that find no slot are staged)
+        if budget < len(cached) * row_bytes:
+            raise ValueError(
+                f"memory.device leaves {budget:,} B for caches, less than one row ({row_bytes} B) for each of the "
+                f"{len(cached)} tables it cannot hold: raise memory.device"
+            )
+    floor: set[int] = set()
+    while True:
+        free = [i for i in cached if i not in floor]
+        left = budget - sum(minimum[i] for i in floor) * row_bytes
+        free_bytes = max(1, sum(tables[i].num_embeddings for i in free) * row_bytes)
+        # integer arithmetic: rows = left * n / free_bytes, rounded down, so the shares never add up past ``left``
+        share = {i: min(tables[i].num_embeddings, left * tables[i].num_embeddings // free_bytes) for i in free}
+        low = {i for i in free if share[i] < minimum[i]}
+        if not low:
+            return {**share, **{i: minimum[i] for i in floor}}
+        floor |= low
+
+
+def format_plan(
+    tables: list[TableConfig], placements: list[TablePlacement], row_bytes: int,
+    device_budget: int | None, host_budget: int | None, ssd_dir: str = "",
+) -> str:
+    """A human-readable table of the plan and the memory it uses per tier."""
+    def budget(b: int | None) -> str:
+        return "unlimited" if b is None else format_bytes(b)
+
+    lines = [f"embedding placement (device budget {budget(device_budget)}, host budget {budget(host_budget)}"
+             + (f", ssd_dir {ssd_dir})" if ssd_dir else ")")]
+    w = max(5, *(len(t.name) for t in tables))
+    lines.append(f"  {'table':<{w}} {'rows':>12} {'size':>10}  {'tier':<12} {'cache rows':>11} {'cache':>7}")
+    use = {"device": 0, "host": 0, "ssd": 0}
+    for t, p in zip(tables, placements, strict=True):
+        nbytes = t.num_embeddings * row_bytes
+        line = f"  {t.name:<{w}} {t.num_embeddings:>12,} {format_bytes(nbytes):>10}  {p.tier:<12}"
+        if p.tier == "device":
+            use["device"] += nbytes
+        else:
+            use["device"] += p.cache_rows * row_bytes
+            use["host" if p.tier == "host-cached" else "ssd"] += nbytes
+            line += f" {p.cache_rows:>11,} {100 * p.cache_rows / t.num_embeddings:>6.1f}%"
+        lines.append(line.rstrip())
+    lines.append("  uses: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in use.items()))
+    return "\n".join(lines)
+
+
+def memory_budgets_set(cfg: Config) -> bool:
+    return parse_bytes(cfg.memory.device) is not None or parse_bytes(cfg.memory.host) is not None
+
+
+def build_collection(
+    cfg: Config,
+    tables: list[TableConfig],
+    optimizer: SparseOptimizerConfig,
+    device: torch.device | str = "cpu",
+    log: TextIO | None = None,
+) -> EmbeddingCollection:
+    """The embedding collection the ``[memory]`` budgets call for: the fused all-in-memory one when every table
+    fits on the device, a ``TieredEmbeddingCollection`` otherwise. Prints the plan to ``log`` (standard output
+    by default)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("memory budgets (cached embedding tiers) work in a single process only; unset "
+                         "memory.device and memory.host under torchrun")
+    mem = cfg.memory
+    dev, host = parse_bytes(mem.device), parse_bytes(mem.host)
+    row_bytes = 4 * record_width(cfg.model.embedding_dim, optimizer.kind == "rowwise_adagrad")
+    placements = plan_placement(tables, row_bytes, dev, host, mem.ssd_dir, mem.cache_policy)
+    print(format_plan(tables, placements, row_bytes, dev, host, mem.ssd_dir), file=log, flush=True)
+    if all(p.tier == "device" for p in placements):
+        return FusedEmbeddingBagCollection(tables, optimizer, seed=cfg.train.seed, device=device)
+    return TieredEmbeddingCollection(tables, optimizer, placements, seed=cfg.train.seed, device=device,
+                                     ssd_dir=mem.ssd_dir or None, prefetch=mem.prefetch)

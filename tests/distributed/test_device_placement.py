@@ -1,0 +1,156 @@
+"""Where tensors live on the GPU paths, checked on a CPU machine: "meta" stands in for a CUDA device (a tensor
+there that meets a CPU one fails the same way), and a stand-in object for a tensor that only ``.cpu()`` can read.
+The tests that need a real GPU are skipped without one."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from recstack.data.batch import SparseFeatures
+from recstack.embedding import FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
+from recstack.training.checkpoint.single import rng_state, set_rng_state
+
+TABLES = [TableConfig("a", 6, 4, (0,)), TableConfig("b", 3, 4, (1,)), TableConfig("c", 5, 4, (2,))]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_fused_collection_keeps_every_buffer_on_its_device() -> None:
+    """A collection built for a device is used there as built, without a later ``.to`` (the sharded collection
+    builds its local tables after the model was moved), so its row offsets must be there too: a CPU
+    ``feature_offsets`` fails against the ids of a CUDA batch."""
+    coll = FusedEmbeddingBagCollection(TABLES, SparseOptimizerConfig("rowwise_adagrad"), device="meta")
+    assert {name: b.device.type for name, b in coll.named_buffers()} == {
+        "table_offsets": "meta", "feature_offsets": "meta", "weight": "meta", "accumulator": "meta"}
+    sparse = SparseFeatures.from_dense_ids(torch.tensor([[1, 2, 0], [5, 0, 4]])).to("meta")
+    coll.eval()
+    with torch.no_grad():
+        out = coll(sparse)
+    assert out.device.type == "meta" and tuple(out.shape) == (2, 3, 4)
+
+
+def test_sharded_collection_tables_are_on_its_device(tmp_path: Path) -> None:
+    """The sharded collection's local and replicated tables (built inside it, never moved) hold every buffer on
+    the collection's device."""
+    from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        coll = ShardedEmbeddingCollection(TABLES, SparseOptimizerConfig("rowwise_adagrad"),
+                                          [("table_wise", [0]), ("row_wise", [0]), ("data_parallel", [0])],
+                                          device="meta")
+        devices = {name: b.device.type for name, b in coll.named_buffers()}
+    finally:
+        dist.destroy_process_group()
+    assert any(name.startswith("groups.") for name in devices) and any(n.startswith("replicated.") for n in devices)
+    assert set(devices.values()) == {"meta"}, devices
+
+
+class _OnDevice:
+    """Stands for a tensor that ``torch.load(map_location="cuda")`` put on a GPU: numpy cannot read it and the
+    generators refuse it; ``.cpu()`` gives the values."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._t = t
+
+    def cpu(self) -> torch.Tensor:
+        return self._t.clone()
+
+
+def _draws() -> tuple[float, float]:
+    return float(np.random.rand()), float(torch.rand(()))
+
+
+def test_rng_state_restores_from_device_tensors() -> None:
+    """A resume loads its checkpoint onto the training device, RNG state included (``rng_state``'s tensors)."""
+    state = rng_state()
+    want = _draws()
+    state["numpy"][1] = _OnDevice(state["numpy"][1])
+    state["torch"] = _OnDevice(state["torch"])
+    state.pop("cuda", None)
+    set_rng_state(state)
+    assert _draws() == want
+
+
+@needs_cuda
+def test_rng_state_restores_from_a_checkpoint_loaded_onto_the_gpu() -> None:
+    buf = io.BytesIO()
+    torch.save({"rng": rng_state()}, buf)
+    want = (*_draws(), float(torch.rand((), device="cuda")))
+    buf.seek(0)
+    state = torch.load(buf, map_location=torch.device("cuda", torch.cuda.current_device()), weights_only=True)
+    assert state["rng"]["torch"].is_cuda  # what a resume on the GPU gets
+    set_rng_state(state["rng"])
+    assert (*_draws(), float(torch.rand((), device="cuda"))) == want
+
+
+class _Routes(torch.nn.Module):
+    """Records where ``route`` was called: the device of the ids and the thread's current CUDA device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int | None]] = []
+
+    def route(self, sparse: SparseFeatures) -> None:
+        current = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.seen.append((str(sparse.ids.device), current))
+
+
+def _in_thread(fn, *args):  # type: ignore[no-untyped-def]
+    import threading
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def _batch():  # type: ignore[no-untyped-def]
+    from recstack.data.batch import Batch
+
+    return Batch(torch.zeros(2, 1), SparseFeatures.from_dense_ids(torch.tensor([[1, 2], [0, 1]])), torch.zeros(2))
+
+
+def test_pipelined_input_routes_the_split_batch_on_the_device() -> None:
+    from recstack.training.trainer import pipelined_input
+
+    emb, split = _Routes(), []
+    out = _in_thread(pipelined_input(emb, lambda b: split.append(b) or b, torch.device("meta")), _batch())
+    assert len(split) == 1 and split[0] is out and out.sparse.ids.device.type == "meta"
+    assert [d for d, _ in emb.seen] == ["meta"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_pipelined_input_runs_on_the_ranks_gpu_in_the_loader_thread() -> None:
+    """Rank 1's loader thread works on cuda:1, not on the thread default cuda:0."""
+    from recstack.training.trainer import pipelined_input
+
+    emb = _Routes()
+    _in_thread(pipelined_input(emb, lambda b: b, torch.device("cuda", 1)), _batch())
+    assert emb.seen == [("cuda:1", 1)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tiered_prefetch_thread_runs_on_the_collections_gpu() -> None:
+    from recstack.embedding.tiered.collection import TieredEmbeddingCollection
+    from recstack.embedding.tiered.placement import TablePlacement
+
+    cached = TablePlacement("host-cached", 2)
+    tc = TieredEmbeddingCollection(TABLES, SparseOptimizerConfig("sgd", 0.1), [cached, cached, TablePlacement()],
+                                   device="cuda:1")
+    hook = tc.next_batch_hook()
+    first, second = (SparseFeatures.from_dense_ids(torch.tensor(ids)) for ids in ([[1, 2, 0]], [[5, 1, 4]]))
+    for s in (first, second):
+        hook(SimpleNamespace(sparse=s))  # what the loader hands it: a batch
+    tc(first.to("cuda:1")).sum().backward()  # prefetches ``second`` in the collection's thread
+    try:
+        assert tc._pool is not None and tc._pool.submit(torch.cuda.current_device).result() == 1
+    finally:
+        tc.close()
