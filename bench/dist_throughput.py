@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     window = a.window or (0.2 if a.smoke else 0.6 if a.quick else 1.0)
 
     use_torchrec, torchrec_note = _torchrec_status(a.no_torchrec)
-    from recstack.config import DistConfig
+    from recstack.distributed.config import DistConfig
 
     pipeline_ready = "pipeline" in DistConfig.__dataclass_fields__
     if not pipeline_ready:

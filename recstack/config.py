@@ -1,129 +1,27 @@
-"""Typed configuration: dataclasses, TOML files, and ``--set section.key=value`` overrides.
+"""The root configuration: one section per layer, put together and checked across sections.
 
-A config file mirrors the dataclasses: ``[data]``, ``[model]``, ``[optim]``, ``[train]`` tables. Unknown keys
-and values of the wrong type are errors that name the file and the key, never silently ignored.
+A config file mirrors the dataclasses: ``[data]``, ``[model]``, ``[optim]``, ``[train]``, ``[dist]``,
+``[memory]``, ``[compression]`` tables. Each section lives with the layer it configures and is all that layer
+receives; only the trainer and the command line see the whole ``Config``. TOML and ``--set`` parsing is
+``recstack.typed_toml``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from recstack.compression.config import CompressionConfig
-
-
-class ConfigError(ValueError):
-    """A config file or override names an unknown key or gives a value of the wrong type."""
-
-
-@dataclass
-class DataConfig:
-    """Where training and evaluation rows come from.
-
-    ``train``/``eval`` are prepared directories (``recstack data prepare`` / ``recstack data synth``). When
-    ``eval`` is empty, the last ``eval_fraction`` of the training rows (the latest in time) are held out.
-    A non-empty ``[data.synth]`` table generates a synthetic set into ``<output_dir>/data`` (or ``train``
-    when given) before training, with those generator options (see ``recstack.data.synth.SynthConfig``).
-    """
-
-    train: str = ""
-    eval: str = ""
-    eval_fraction: float = 0.1
-    synth: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class ModelConfig:
-    """DLRM architecture. ``bottom_mlp`` ends in ``embedding_dim`` for the dot interaction; ``top_mlp``
-    ends in 1 (a logit). ``max_table_size`` caps every table's rows (0 = no cap); ids are taken modulo it.
-    ``qr_collisions`` m >= 2 turns every table of more than ``qr_threshold`` rows into quotient-remainder
-    tables (ceil(n / m) + m rows, combined by ``qr_operation``; ``recstack.embedding.qr``); 0 = off."""
-
-    embedding_dim: int = 16
-    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
-    top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
-    interaction: str = "dot"  # dot | cat | dcn
-    interaction_itself: bool = False
-    dcn_layers: int = 3
-    dcn_low_rank: int = 512
-    max_table_size: int = 0
-    qr_collisions: int = 0
-    qr_threshold: int = 200
-    qr_operation: str = "mult"  # mult | add
-
-
-@dataclass
-class OptimConfig:
-    """Dense part: ``dense`` in sgd | adagrad | adam. Embeddings: ``sparse`` in sgd | rowwise_adagrad,
-    applied inside backward (no dense table gradient is built)."""
-
-    dense: str = "sgd"
-    dense_lr: float = 0.1
-    sparse: str = "sgd"
-    sparse_lr: float = 0.1
-    eps: float = 1e-8
-    adagrad_init: float = 0.0
-    # Both learning rates x a schedule (recstack.training.lr_schedule): linear warm-up over lr_warmup_steps (the first
-    # update at 1/lr_warmup_steps), then from lr_decay_start_step a quadratic decay to 0 over lr_decay_steps (0 =
-    # none), as the DLRM reference.
-    lr_warmup_steps: int = 0
-    lr_decay_start_step: int = 0
-    lr_decay_steps: int = 0
-
-
-@dataclass
-class TrainConfig:
-    batch_size: int = 128
-    epochs: int = 1
-    max_steps: int = 0  # 0 = as many as the epochs give
-    eval_every: int = 0  # steps; 0 = only at the end
-    target_auc: float = 0.0  # stop at the first evaluation that reaches it (MLPerf's AUC threshold); 0 = never
-    eval_batch_size: int = 16384
-    log_every: int = 50
-    checkpoint_every: int = 0  # steps; 0 = only the final checkpoint
-    keep_checkpoints: int = 3
-    shuffle: bool = False  # shuffle batch order per epoch (rows inside a batch stay contiguous)
-    seed: int = 0
-    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    progress: bool = True
-
-
-@dataclass
-class DistConfig:
-    """Hybrid-parallel training under ``torchrun`` (ignored in a single process).
-
-    ``plan`` is a sharding-plan JSON (``recstack plan --out``); without one every table gets ``sharding``
-    (table_wise tables are dealt round-robin over the ranks). ``train.batch_size`` is per rank.
-    """
-
-    plan: str = ""
-    sharding: str = "table_wise"
-    forward_codec: str = "fp32"  # fp32 | fp16 | bf16 | fp8 | int8 | eb (error-bounded, see [compression])
-    backward_codec: str = "fp32"
-    aggregate_gradients: bool = False  # backward all-to-all: one row per distinct id of one-hot features
-    timeout_s: float = 300.0
-    ranks_per_node: int = 0  # 0 = LOCAL_WORLD_SIZE from torchrun
-    pipeline: bool = True  # distribute the next batch's ids while the current batch computes
-
-
-@dataclass
-class MemoryConfig:
-    """Embedding memory budgets (single process; see docs/memory_tiers.md). Sizes are bytes or strings such as
-    ``"512MB"`` or ``"2GiB"``; ``""`` = no budget. With a budget set, tables that do not fit in ``device`` memory
-    get a cache there over their rows in host memory (``host`` budget) or, past that, in a file in ``ssd_dir``."""
-
-    device: int | str = ""
-    host: int | str = ""
-    ssd_dir: str = ""
-    cache_policy: str = "lru"  # lru | lfu
-    prefetch: bool = True  # fetch the next batch's rows while the current batch computes
+from recstack.data.config import DataConfig
+from recstack.distributed.config import DistConfig
+from recstack.embedding.tiered.config import MemoryConfig
+from recstack.errors import ConfigError
+from recstack.models.config import ModelConfig
+from recstack.training.config import OptimConfig, TrainConfig
+from recstack.typed_toml import fill, load_into
 
 
 @dataclass
@@ -138,115 +36,6 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _check_type(value: Any, tp: Any, where: str) -> Any:
-    """Return ``value`` converted to ``tp`` (int -> float allowed) or raise ConfigError naming ``where``."""
-    origin = typing.get_origin(tp)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is types.NoneType:
-        if value is not None:
-            raise ConfigError(f"{where}: expected None, got {type(value).__name__} {value!r}")
-        return value
-    if tp in (int, float, str, bool):
-        if type(value) is not tp:
-            raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
-        return value
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
-        return [_check_type(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple and typing.get_args(tp)[-1] is Ellipsis:  # tuple[X, ...]: a list in TOML
-        item_tp = typing.get_args(tp)[0]
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
-        return tuple(_check_type(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table, got {type(value).__name__} {value!r}")
-        return dict(value)
-    if origin in (typing.Union, types.UnionType):
-        for alt in typing.get_args(tp):
-            try:
-                return _check_type(value, alt, where)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}: {value!r} matches none of {tp}")
-    return value
-
-
-def fill(obj: Any, values: dict[str, Any], where: str) -> None:
-    """Set the fields of dataclass ``obj`` (nested dataclasses recursively) from ``values``, checking every key
-    and type; errors name ``where`` and the key (``config.toml.model.embedding_dim: expected int ...``)."""
-    hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
-    for key, value in values.items():
-        if key not in names:
-            raise ConfigError(f"{where}: unknown key {key!r} (valid: {', '.join(sorted(names))})")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}.{key}: expected a table")
-            fill(current, value, f"{where}.{key}")
-        else:
-            setattr(obj, key, _check_type(value, hints[key], f"{where}.{key}"))
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``"model.embedding_dim=32"`` -> (["model", "embedding_dim"], 32). Values are TOML literals; anything
-    that is not one (``train.device=cpu``) is taken as a string."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected section.key=value")
-    key, raw = text.split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.strip().split("."), value
-
-
-def load_into(cfg: Any, path: str | Path | None, overrides: list[str] | None) -> Any:
-    """Fill the config dataclass ``cfg`` from the TOML file at ``path``, then from each ``section.key=value``
-    override in order; returns ``cfg``. An override that reaches into a free-form table (a ``dict`` field such
-    as ``data.synth``) sets that one key and keeps the table's others."""
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} not found")
-        try:
-            values = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: invalid TOML: {e}") from e
-        fill(cfg, values, str(p))
-    for text in overrides or []:
-        keys, value = parse_override(text)
-        if not _set_in_table(cfg, keys, value, text):
-            nested: dict[str, Any] = {keys[-1]: value}
-            for k in reversed(keys[:-1]):
-                nested = {k: nested}
-            fill(cfg, nested, f"--set {text}")
-    return cfg
-
-
-def _set_in_table(cfg: Any, keys: list[str], value: Any, text: str) -> bool:
-    """Apply an override whose path runs through a ``dict`` field; False when it does not."""
-    obj = cfg
-    for i, k in enumerate(keys[:-1]):
-        if not dataclasses.is_dataclass(obj) or not hasattr(obj, k):
-            return False
-        current = getattr(obj, k)
-        if isinstance(current, dict):
-            table = current
-            for sub in keys[i + 1 : -1]:
-                table = table.setdefault(sub, {})
-                if not isinstance(table, dict):
-                    raise ConfigError(f"--set {text}: {sub!r} is not a table")
-            table[keys[-1]] = value
-            return True
-        obj = current
-    return False
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from recstack import __version__
 from recstack.cli import train as train_cmd
 from recstack.cli.data import add_inspect_parser, add_schema_prepare_arguments
-from recstack.config import ConfigError
+from recstack.errors import ConfigError, RecstackError
 
 if TYPE_CHECKING:
     import torch
@@ -102,8 +102,9 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def _cmd_synth(args: argparse.Namespace) -> None:
-    from recstack.config import parse_override, synth_config
+    from recstack.config import synth_config
     from recstack.data.synth.generate import generate
+    from recstack.typed_toml import parse_override
 
     values: dict = {"rows": args.rows, "seed": args.seed}
     for text in args.overrides:
@@ -212,18 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+    except RecstackError as e:  # bad input (2) or a failed peer (3): a message, not a traceback
+        print(f"recstack {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"recstack {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
-        from recstack.training.checkpoint.single import CheckpointError
-
-        # An unreadable checkpoint is bad input like a bad config (2); a failed peer is 3; others are bugs.
-        code = 2 if isinstance(e, CheckpointError) else 3 if type(e).__name__ == "PeerFailure" else None
-        if code is None:
-            raise
-        print(f"recstack {args.command}: error: {e}", file=sys.stderr)
-        return code
     return 0
 
 

@@ -16,6 +16,7 @@ Usage (``recstack.training.trainer``)::
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,10 @@ from recstack.compression.eb.bounds import DualLevelBound
 from recstack.compression.eb.codec import EbCodec
 
 
-def chunk_table_map(collection: torch.nn.Module) -> Any:
-    """ChunkKey -> table index for a ShardedEmbeddingCollection: the chunk at position i of a message from
-    (forward) or to (backward) owner rank r carries pair i of ``collection.pairs[r]``."""
-    tables = [[shard.table for _, shard in per_rank] for per_rank in collection.pairs]
+def chunk_table_map(wire: list[list[tuple[int, int, int, int, int, int]]]) -> Callable[[ChunkKey], int | None]:
+    """ChunkKey -> table index, from a collection's ``wire_layout()``: the chunk at position i of a message from
+    (forward) or to (backward) owner rank r carries chunk i of ``wire[r]``."""
+    tables = [[chunk[1] for chunk in per_rank] for per_rank in wire]
 
     def table_of(key: ChunkKey) -> int | None:
         owner = key.src if key.phase == "fwd_a2a" else key.dst
@@ -72,10 +73,10 @@ class CompressionRuntime:
         ``compression.json`` (rank 0), and hook payload capture."""
         emb = model.embeddings
         tables = [(t.name, t.num_embeddings) for t in emb.tables]
-        table_of = chunk_table_map(emb) if hasattr(emb, "pairs") else None
-        if hasattr(emb, "pairs"):  # residual slot (phase, dst, i) holds pair i of owner dst, [batch rows, dim]
-            pairs = [[(f, s.table, s.row0, s.row1, s.col0, s.col1) for f, s in per_rank] for per_rank in emb.pairs]
-            self.layout = json.dumps({"batch_size": self.batch_size, "pairs": pairs})
+        wire = emb.wire_layout()  # per owner rank: (feature, table, row0, row1, col0, col1) of each chunk
+        table_of = chunk_table_map(wire) if wire is not None else None
+        if wire is not None:  # residual slot (phase, dst, i) holds chunk i of owner dst, [batch rows, dim]
+            self.layout = json.dumps({"batch_size": self.batch_size, "pairs": wire})
         for prefix, codec in self.eb.items():
             scale = self.cfg.backward_scale if prefix == "eb_bwd" else 1.0
             policy = DualLevelBound(self.cfg, tables, scale)

@@ -12,17 +12,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from recstack.config import DistConfig
 from recstack.distributed.comm import CommStats
+from recstack.distributed.config import DistConfig
 from recstack.distributed.planner.types import PlanError, PlanPlacements, ShardingPlan, Topology
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.metrics import BinaryMetrics
 from recstack.models.dlrm import DLRM
-
-
-class PeerFailure(RuntimeError):
-    """Another rank died or stopped answering; this rank gives up instead of hanging."""
-
 
 # What gloo and NCCL put in the errors of a collective whose peer died or timed out.
 _PEER_SIGNS = ("gloo", "nccl", "connection", "peer", "timed out", "timeout", "broken pipe", "socket")

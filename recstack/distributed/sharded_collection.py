@@ -302,6 +302,13 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 outs.append(received[(f, t, 0)])
         return torch.stack(outs, dim=1)  # [B, F, D]
 
+    # -- capabilities of the collection interface ------------------------------------------------------------
+    def pop_comm_stats(self) -> dict[str, float]:
+        return self.stats.pop()
+
+    def wire_layout(self) -> list[list[tuple[int, int, int, int, int, int]]]:
+        return [[(f, s.table, s.row0, s.row1, s.col0, s.col1) for f, s in per_rank] for per_rank in self.pairs]
+
     # -- inspection ----------------------------------------------------------------------------------------
     def table_weight(self, name: str) -> torch.Tensor:
         """The full table, gathered from its shards (a collective: every rank must call it)."""

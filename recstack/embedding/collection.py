@@ -8,13 +8,15 @@ backward. Nothing here knows about processes or devices other than its own.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recstack.data.batch import SparseFeatures
+from recstack.data.batch import Batch, SparseFeatures
 from recstack.embedding.sparse_optim import SparseOptimizer, SparseOptimizerConfig
 
 
@@ -69,6 +71,41 @@ class EmbeddingCollection(nn.Module, abc.ABC):
     @abc.abstractmethod
     def table_weight(self, name: str) -> torch.Tensor:
         """The full weight [rows, D] of one table (a copy where the table is not held whole)."""
+
+    # -- optional capabilities: every collection has them, most as the no-ops below ---------------------------
+    # Whether the rows live in table files (cached tiers) rather than in the module's state dict: such a
+    # collection's checkpoint is a directory with ``checkpoint_files`` beside the state, read by ``restore_files``.
+    stores_rows_in_files: bool = False
+
+    def next_batch_hook(self) -> Callable[[Batch], Batch] | None:
+        """A function the loader calls on each batch ahead of its step (in its prefetch thread), so that the
+        collection can fetch the batch's rows early; None when it has no use for that."""
+        return None
+
+    def pop_comm_stats(self) -> dict[str, float]:
+        """Bytes and seconds per collective since the last call (``{"<phase>_bytes": ..., "<phase>_s": ...}``);
+        empty for a collection that does not communicate."""
+        return {}
+
+    def wire_layout(self) -> list[list[tuple[int, int, int, int, int, int]]] | None:
+        """For a collection that sends pooled embeddings between ranks: per owner rank, what each chunk of its
+        messages carries, ``(feature, table, row0, row1, col0, col1)`` in message order; None otherwise."""
+        return None
+
+    def checkpoint_files(self) -> dict[str, Callable[[Path], None]] | None:
+        """{relative path: writer} of the files a checkpoint holds beside the state (``stores_rows_in_files``)."""
+        return None
+
+    def restore_files(self, directory: str | Path | None) -> None:
+        """Load the rows from a checkpoint directory's ``checkpoint_files``; a no-op for in-memory rows."""
+
+    def restore_tensors(self, weight: torch.Tensor, accumulator: torch.Tensor | None) -> None:
+        """Load the rows from an all-in-memory collection's state (weight [sum of rows, D], row-wise
+        accumulator [sum of rows] or None), for a collection whose rows are not in its state dict."""
+        raise NotImplementedError(f"{type(self).__name__} holds its rows in its state dict")
+
+    def close(self) -> None:
+        """Release what the collection holds besides memory (threads, open files); lookups fail afterwards."""
 
 
 class _FusedLookup(torch.autograd.Function):

@@ -12,9 +12,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from recstack.config import Config, ConfigError, ModelConfig, OptimConfig, TrainConfig, fill, load_into
+from recstack.config import Config
 from recstack.config import synth_config as checked_synth_config
 from recstack.config import validate as validate_model
+from recstack.errors import ConfigError
+from recstack.models.config import ModelConfig
+from recstack.training.config import OptimConfig, TrainConfig
+from recstack.typed_toml import fill, load_into
 
 if TYPE_CHECKING:
     from recstack.data.synth.generate import SynthConfig

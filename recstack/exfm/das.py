@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from recstack.config import fill
 from recstack.data.batch import Batch
 from recstack.data.format import PreparedDataset
 from recstack.exfm.config import StreamConfig
 from recstack.exfm.fm import load_snapshot, table_caps, wait_for_snapshot
 from recstack.exfm.store import DasStore
 from recstack.exfm.windows import VerticalIndex, make_windows, staleness_version
+from recstack.typed_toml import fill
 
 
 @dataclass

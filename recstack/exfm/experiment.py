@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from recstack.config import ConfigError
 from recstack.data.format import PreparedDataset
+from recstack.errors import ConfigError
 from recstack.exfm.config import ExfmConfig, exfm_config_from_dict, movielens_config, synth_config
 from recstack.exfm.das import DasJob
 from recstack.exfm.vm_stream import VMJob

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from recstack.config import fill
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
 from recstack.exfm.config import NetSpec
@@ -27,6 +26,7 @@ from recstack.models.build import build_dense_optimizer, build_model, capped_tab
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.single import checkpoint_path, load_checkpoint, save_checkpoint
 from recstack.training.trainer import seed_everything
+from recstack.typed_toml import fill
 
 EVAL_BATCH = 4096
 

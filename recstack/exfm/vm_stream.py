@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from recstack.config import fill
 from recstack.data.format import PreparedDataset
 from recstack.exfm.config import DistillConfig, NetSpec, StreamConfig
 from recstack.exfm.fm import build_net, table_caps
@@ -31,6 +30,7 @@ from recstack.exfm.windows import VerticalIndex, Window, make_windows, row_batch
 from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_dense_optimizer
 from recstack.training.checkpoint.single import latest_checkpoint
+from recstack.typed_toml import fill
 
 EVAL_BATCH = 4096
 

@@ -11,10 +11,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from recstack.config import ModelConfig
 from recstack.data.batch import Batch
 from recstack.embedding.collection import EmbeddingCollection
 from recstack.embedding.qr import QRSplit
+from recstack.models.config import ModelConfig
 from recstack.models.fused_mlp import MLP
 from recstack.models.interaction import CatInteraction, DCNv2Interaction, DotInteraction
 

@@ -63,9 +63,8 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
         model.load_state_dict(state["model"])
     except RuntimeError as e:  # missing, unexpected or reshaped
         raise ValueError(f"{where}: its weights do not fit the model its config describes: {e}") from e
-    restore = getattr(emb, "restore_files", None)
-    if restore is not None:  # cached embedding tiers: their rows are files beside the checkpoint's state
-        restore(state.get("checkpoint_dir"))
+    if emb.stores_rows_in_files:  # cached embedding tiers: their rows are files beside the checkpoint's state
+        emb.restore_files(state.get("checkpoint_dir"))
     model.eval()
     return cfg, model
 

@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from recstack.compression.runtime import CompressionRuntime
-from recstack.config import Config, ConfigError
+from recstack.config import Config
 from recstack.data.batch import Batch
 from recstack.data.format import PreparedDataset, layout_difference
 from recstack.data.loader import BatchLoader, LoaderPosition
+from recstack.errors import ConfigError
 from recstack.metrics import BinaryMetrics, auc
 from recstack.models.build import build_dense_optimizer, build_model, capped_table_sizes
 from recstack.models.dlrm import DLRM
@@ -219,7 +220,7 @@ class Trainer:
         split = self.model.split_batch  # ids as the tables read them (quotient-remainder: split by the loader thread)
         if self.model.qr is not None:
             self.train_loader.transform = self.eval_loader.transform = split
-        prefetch = getattr(self.model.embeddings, "next_batch_hook", lambda: None)()
+        prefetch = self.model.embeddings.next_batch_hook()
         if prefetch is not None:  # cached embedding tiers: the loader announces batches so rows come in ahead
             self.train_loader.transform = lambda b: prefetch(split(b))
         self.compression = CompressionRuntime(cfg, self.output_dir, self.rank, self.world)
@@ -300,7 +301,7 @@ class Trainer:
         emb = self.model.embeddings
         if tables is not None:  # an all-in-memory checkpoint's tables, into cached tiers
             emb.restore_tensors(*tables)
-        elif hasattr(emb, "restore_files"):  # cached embedding tiers: their rows are files beside the state
+        elif emb.stores_rows_in_files:  # cached embedding tiers: their rows are files beside the state
             emb.restore_files(state.get("checkpoint_dir"))
         self.optimizer.load_state_dict(state["dense_optimizer"])
         self.train_loader.position = rebatched_position(state, self.train_loader, self.cfg.train.shuffle, self.is_main)
@@ -332,8 +333,8 @@ class Trainer:
 
             return save_sharded(self.ckpt_dir, self.step, self.model.embeddings, self.state_dict(), keep,
                                 rank_state=self.rank_state_dict())
-        files = getattr(self.model.embeddings, "checkpoint_files", None)  # tables streamed beside the state
-        return save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), keep=keep, files=files() if files else None)
+        files = self.model.embeddings.checkpoint_files()  # tables streamed beside the state (cached tiers)
+        return save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), keep=keep, files=files)
 
     # -- loop ------------------------------------------------------------------------------------------
     def train_step(self, batch) -> float:
@@ -348,7 +349,8 @@ class Trainer:
         try:
             return self._train()
         except (RuntimeError, torch.distributed.DistError) as e:
-            from recstack.distributed.parallelize import PeerFailure, is_peer_failure
+            from recstack.distributed.parallelize import is_peer_failure
+            from recstack.errors import PeerFailure
 
             if not is_peer_failure(e):
                 raise  # this rank's own error, reported as it is
@@ -390,9 +392,8 @@ class Trainer:
                               "time_data_wait": window_wait / window_n, "time_step": window_step / window_n}
                     if lr_factor is not None:  # the schedule's factor at the window's last step
                         values["lr_factor"] = lr_factor
-                    stats = getattr(self.model.embeddings, "stats", None)
-                    if stats is not None:  # bytes and seconds per collective since the last log line
-                        values.update({k: v / window_n for k, v in stats.pop().items()})
+                    # bytes and seconds per collective since the last log line (none in one process)
+                    values.update({k: v / window_n for k, v in self.model.embeddings.pop_comm_stats().items()})
                     values.update(self.compression.metrics(window_n))  # eb: ratio, codec time, bounds in force
                     self.logger.log(self.step, "train", values)
                     bar.set_postfix(loss=f"{window_loss / window_n:.4f}", samples_s=f"{sps:,.0f}")
@@ -426,9 +427,7 @@ class Trainer:
     def close(self) -> None:
         """Release what the run holds besides memory: the cached embedding tiers' prefetch thread and table files.
         The model cannot look up cached rows afterwards."""
-        close = getattr(self.model.embeddings, "close", None)
-        if close is not None:
-            close()
+        self.model.embeddings.close()
 
     def _reached_target(self, result: dict[str, float]) -> bool:
         """Whether this evaluation reaches train.target_auc for the first time (recorded as target_step)."""
@@ -449,9 +448,7 @@ class Trainer:
             batch = batch.to(self.device)
             metrics.update(self.net(batch), batch.labels)
         self.net.train()
-        stats = getattr(self.model.embeddings, "stats", None)
-        if stats is not None:
-            stats.pop()  # evaluation traffic is not part of the training step's figures
+        self.model.embeddings.pop_comm_stats()  # evaluation traffic is not part of the training step's figures
         if self.world > 1:
             from recstack.distributed.parallelize import all_gather_metrics
 

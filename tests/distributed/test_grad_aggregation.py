@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recstack.config import ConfigError, load_config
+from recstack.config import load_config
 from recstack.distributed.grad_aggregation import (
     aggregate,
     aggregate_flat,
@@ -15,6 +15,7 @@ from recstack.distributed.grad_aggregation import (
     receive_groups,
     send_groups,
 )
+from recstack.errors import ConfigError
 
 
 def _row_sums(rows: torch.Tensor, present: torch.Tensor, grads: torch.Tensor, n_rows: int) -> torch.Tensor:

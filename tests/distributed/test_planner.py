@@ -484,7 +484,7 @@ def _entry(name: str, sharding: str, ranks, **more) -> dict:
      r"field 'topology': plan topology has 2 x 8 = 16 ranks"),
 ])
 def test_plan_file_errors_name_file_table_and_field(tmp_path, tables, top, message) -> None:
-    from recstack.config import DistConfig
+    from recstack.distributed.config import DistConfig
     from recstack.distributed.parallelize import placements_from_config
 
     path = _plan_file(tmp_path, tables, **top)
@@ -495,7 +495,7 @@ def test_plan_file_errors_name_file_table_and_field(tmp_path, tables, top, messa
 def test_plan_file_checked_against_the_table_sizes(tmp_path) -> None:
     """Rows and dim may be left out (they are the model's); where given they must match, and shard counts must
     split the tables. The sharded collection runs this check (``PlanPlacements.check``) before any collective."""
-    from recstack.config import DistConfig
+    from recstack.distributed.config import DistConfig
     from recstack.distributed.parallelize import placements_from_config
 
     sizes = [TableSpec("C1", 1, 8), TableSpec("C2", 300, 8)]
@@ -532,7 +532,7 @@ def test_plan_file_checked_against_the_table_sizes(tmp_path) -> None:
 def test_plan_for_another_node_split_names_the_table_row_wise_table(tmp_path) -> None:
     """A plan written for 1 x 4 ranks run as 2 nodes x 2: its table_row_wise table spans both nodes of the job,
     an error naming the plan file, the table and what to plan for (not the sharding's own bare message)."""
-    from recstack.config import DistConfig
+    from recstack.distributed.config import DistConfig
     from recstack.distributed.parallelize import placements_from_config
 
     topo = {"nodes": 1, "devices_per_node": 4}
@@ -551,7 +551,7 @@ def test_plan_for_another_node_split_names_the_table_row_wise_table(tmp_path) ->
 
 
 def test_planner_plan_file_is_read_for_training(tmp_path) -> None:
-    from recstack.config import DistConfig
+    from recstack.distributed.config import DistConfig
     from recstack.distributed.parallelize import placements_from_config
 
     plan, tables = _small_plan()

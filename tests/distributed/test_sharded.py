@@ -248,7 +248,7 @@ def test_rank_without_samples_joins_every_collective(tmp_path: Path) -> None:
 def _empty_shard_cases(rank: int, world: int, tmp: Path) -> dict:
     import json
 
-    from recstack.config import DistConfig
+    from recstack.distributed.config import DistConfig
     from recstack.distributed.parallelize import placements_from_config
     from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
     from recstack.embedding.collection import TableConfig

@@ -14,10 +14,11 @@ import torch
 from conftest import torchrun
 
 from recstack.cli.main import main
-from recstack.config import Config, ConfigError, load_config
+from recstack.config import Config, load_config
 from recstack.data.batch import Batch, SparseFeatures
 from recstack.embedding.collection import TableConfig
 from recstack.embedding.qr import QRSplit
+from recstack.errors import ConfigError
 from recstack.models.build import build_model
 from recstack.training.trainer import Trainer
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from recstack.data.batch import SparseFeatures
-from recstack.embedding import FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig, tiered_store
+from recstack.embedding import FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
 from recstack.embedding.collection import init_table
+from recstack.embedding.tiered import store as tiered_store
 from recstack.embedding.tiered.cache import SetAssociativeCache, id_hash
 from recstack.embedding.tiered.collection import TablePlacement, TieredEmbeddingCollection
 from recstack.embedding.tiered.placement import format_plan, parse_bytes, plan_placement

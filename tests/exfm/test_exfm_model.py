@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recstack.config import Config, ModelConfig, TrainConfig
+from recstack.config import Config
 from recstack.data.batch import Batch, SparseFeatures
 from recstack.exfm.config import DistillConfig
 from recstack.exfm.stream import StreamTrainer
@@ -18,6 +18,8 @@ from recstack.exfm.vm import FM_LOGIT, StudentAdapter, VerticalModel, forward_fl
 from recstack.exfm.windows import Window
 from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_model
+from recstack.models.config import ModelConfig
+from recstack.training.config import TrainConfig
 
 SIZES = [40, 25, 60]
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from recstack.cli.main import main
-from recstack.config import ConfigError
 from recstack.data.format import PreparedDataset
+from recstack.errors import ConfigError
 from recstack.exfm.config import load_exfm_config
 from recstack.exfm.report import summarize
 from recstack.exfm.store import DasStore

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recstack.config import ConfigError, load_config
+from recstack.config import load_config
+from recstack.errors import ConfigError
 from recstack.training.lr_schedule import LRSchedule
 from recstack.training.trainer import Trainer
 

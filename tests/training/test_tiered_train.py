@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from recstack.config import ConfigError, load_config
+from recstack.config import load_config
 from recstack.data.batch import SparseFeatures
 from recstack.embedding import FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
 from recstack.embedding.tiered.collection import TablePlacement, TieredEmbeddingCollection
+from recstack.errors import ConfigError
 from recstack.training.checkpoint.single import (
     CheckpointError,
     latest_checkpoint,

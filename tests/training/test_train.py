@@ -16,8 +16,9 @@ import pytest
 from conftest import REPO
 
 from recstack.cli.main import main
-from recstack.config import ConfigError, load_config
+from recstack.config import load_config
 from recstack.data.loader import LoaderPosition
+from recstack.errors import ConfigError
 from recstack.training.checkpoint.single import list_checkpoints
 from recstack.training.trainer import Trainer
 

@@ -92,6 +92,8 @@ class _CacheLog:
 class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
     """Pooled lookups [B, F, D] over tables placed on device, host-cached or ssd-cached tiers."""
 
+    stores_rows_in_files = True
+
     def __init__(
         self,
         tables: list[TableConfig],

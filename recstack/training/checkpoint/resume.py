@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from recstack.config import ConfigError
 from recstack.data.loader import BatchLoader, LoaderPosition
+from recstack.errors import ConfigError
 from recstack.training.checkpoint.single import _NAME, latest_checkpoint, list_checkpoints
 from recstack.training.logger import METRICS_FILE, TB_DIR
 
@@ -123,7 +123,7 @@ def convert_embedding_layout(state: dict[str, Any], embeddings: torch.nn.Module,
     rest of the state is in. None when the layouts agree."""
     model_state = state["model"]
     tiered_ckpt = "embeddings._extra_state" in model_state
-    if tiered_ckpt == hasattr(embeddings, "restore_files"):
+    if tiered_ckpt == embeddings.stores_rows_in_files:
         return None
     from recstack.embedding.tiered.files import read_table_files
 

@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.distributed.sharding import Shard
 from recstack.embedding import TableConfig
+from recstack.errors import CheckpointError
 
 SHARDED_STATE_FILE = "trainer.pt"  # the replicated state beside the DCP files
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
@@ -69,11 +70,6 @@ def embedding_state(coll: ShardedEmbeddingCollection) -> dict[str, torch.Tensor]
         if acc is not None:
             state[_key(name, "accumulator", s.row0, s.row1, s.col0, s.col1)] = acc
     return state
-
-
-class CheckpointError(ValueError):
-    """A checkpoint this model cannot be loaded from: a table missing or of another size, saved pieces that do
-    not cover it, or a file a rank cannot read. Raised on every rank alike, before any rank reads shards."""
 
 
 def _saved_pieces(path: Path) -> tuple[Any, dict[tuple[str, str], list[tuple[str, int, int, int, int]]]]:

@@ -24,12 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from recstack.errors import CheckpointError
+
 _NAME = re.compile(r"^ckpt_(\d{9})(\.pt)?$")  # a file ckpt_<step>.pt or a directory ckpt_<step>
 STATE_FILE = "state.pt"  # the torch.save part of a directory checkpoint
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file is unreadable or incomplete."""
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:

@@ -1,0 +1,28 @@
+"""One exception family. Every error that a user's input can cause (a config, a data file, a checkpoint, a plan,
+a message) is a :class:`RecstackError`; the command line prints its message and exits with its ``exit_code``
+instead of a traceback. Each class also derives from the builtin a caller would expect (``ValueError`` for bad
+input), so ``except ValueError`` keeps working."""
+
+from __future__ import annotations
+
+
+class RecstackError(Exception):
+    """Base of every error recstack raises on purpose. ``exit_code``: what ``recstack`` exits with."""
+
+    exit_code = 2
+
+
+class ConfigError(RecstackError, ValueError):
+    """A config file or override names an unknown key, gives a value of the wrong type or out of range."""
+
+
+class CheckpointError(RecstackError, ValueError, RuntimeError):
+    """A checkpoint is unreadable, incomplete or does not fit the model: a table missing or of another size,
+    saved pieces that do not cover it, a file a rank cannot read. (A ``RuntimeError`` too, as single-process
+    checkpoint errors always were.)"""
+
+
+class PeerFailure(RecstackError, RuntimeError):
+    """Another rank died or stopped answering; this rank gives up instead of hanging."""
+
+    exit_code = 3

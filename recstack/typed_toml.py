@@ -1,0 +1,122 @@
+"""Typed TOML: fill dataclasses from TOML files and ``--set section.key=value`` overrides, checking every key
+and type. Errors name the file (or override) and the key; unknown keys are never silently ignored."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from recstack.errors import ConfigError
+
+
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    """Return ``value`` converted to ``tp`` (int -> float allowed) or raise ConfigError naming ``where``."""
+    origin = typing.get_origin(tp)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is types.NoneType:
+        if value is not None:
+            raise ConfigError(f"{where}: expected None, got {type(value).__name__} {value!r}")
+        return value
+    if tp in (int, float, str, bool):
+        if type(value) is not tp:
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        return [_check_type(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple and typing.get_args(tp)[-1] is Ellipsis:  # tuple[X, ...]: a list in TOML
+        item_tp = typing.get_args(tp)[0]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        return tuple(_check_type(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if origin in (typing.Union, types.UnionType):
+        for alt in typing.get_args(tp):
+            try:
+                return _check_type(value, alt, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {value!r} matches none of {tp}")
+    return value
+
+
+def fill(obj: Any, values: dict[str, Any], where: str) -> None:
+    """Set the fields of dataclass ``obj`` (nested dataclasses recursively) from ``values``, checking every key
+    and type; errors name ``where`` and the key (``config.toml.model.embedding_dim: expected int ...``)."""
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"{where}: unknown key {key!r} (valid: {', '.join(sorted(names))})")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}.{key}: expected a table")
+            fill(current, value, f"{where}.{key}")
+        else:
+            setattr(obj, key, _check_type(value, hints[key], f"{where}.{key}"))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"model.embedding_dim=32"`` -> (["model", "embedding_dim"], 32). Values are TOML literals; anything
+    that is not one (``train.device=cpu``) is taken as a string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_into(cfg: Any, path: str | Path | None, overrides: list[str] | None) -> Any:
+    """Fill the config dataclass ``cfg`` from the TOML file at ``path``, then from each ``section.key=value``
+    override in order; returns ``cfg``. An override that reaches into a free-form table (a ``dict`` field such
+    as ``data.synth``) sets that one key and keeps the table's others."""
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found")
+        try:
+            values = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: invalid TOML: {e}") from e
+        fill(cfg, values, str(p))
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        if not _set_in_table(cfg, keys, value, text):
+            nested: dict[str, Any] = {keys[-1]: value}
+            for k in reversed(keys[:-1]):
+                nested = {k: nested}
+            fill(cfg, nested, f"--set {text}")
+    return cfg
+
+
+def _set_in_table(cfg: Any, keys: list[str], value: Any, text: str) -> bool:
+    """Apply an override whose path runs through a ``dict`` field; False when it does not."""
+    obj = cfg
+    for i, k in enumerate(keys[:-1]):
+        if not dataclasses.is_dataclass(obj) or not hasattr(obj, k):
+            return False
+        current = getattr(obj, k)
+        if isinstance(current, dict):
+            table = current
+            for sub in keys[i + 1 : -1]:
+                table = table.setdefault(sub, {})
+                if not isinstance(table, dict):
+                    raise ConfigError(f"--set {text}: {sub!r} is not a table")
+            table[keys[-1]] = value
+            return True
+        obj = current
+    return False
