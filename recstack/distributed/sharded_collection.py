@@ -303,7 +303,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         return torch.stack(outs, dim=1)  # [B, F, D]
 
     # -- capabilities of the collection interface ------------------------------------------------------------
-    def pop_comm_stats(self) -> dict[str, float]:
+    def pop_counters(self) -> dict[str, float]:
         return self.stats.pop()
 
     def wire_layout(self) -> list[list[tuple[int, int, int, int, int, int]]]:

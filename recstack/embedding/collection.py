@@ -82,9 +82,9 @@ class EmbeddingCollection(nn.Module, abc.ABC):
         collection can fetch the batch's rows early; None when it has no use for that."""
         return None
 
-    def pop_comm_stats(self) -> dict[str, float]:
-        """Bytes and seconds per collective since the last call (``{"<phase>_bytes": ..., "<phase>_s": ...}``);
-        empty for a collection that does not communicate."""
+    def pop_counters(self) -> dict[str, float]:
+        """Counters since the last call, for the training log: bytes and seconds per collective of a sharded
+        collection, cache requests / hits / fetch seconds of cached tiers; empty for one that keeps none."""
         return {}
 
     def wire_layout(self) -> list[list[tuple[int, int, int, int, int, int]]] | None:

@@ -392,8 +392,8 @@ class Trainer:
                               "time_data_wait": window_wait / window_n, "time_step": window_step / window_n}
                     if lr_factor is not None:  # the schedule's factor at the window's last step
                         values["lr_factor"] = lr_factor
-                    # bytes and seconds per collective since the last log line (none in one process)
-                    values.update({k: v / window_n for k, v in self.model.embeddings.pop_comm_stats().items()})
+                    # bytes and seconds per collective, cache counters, since the last log line
+                    values.update({k: v / window_n for k, v in self.model.embeddings.pop_counters().items()})
                     values.update(self.compression.metrics(window_n))  # eb: ratio, codec time, bounds in force
                     self.logger.log(self.step, "train", values)
                     bar.set_postfix(loss=f"{window_loss / window_n:.4f}", samples_s=f"{sps:,.0f}")
@@ -448,7 +448,7 @@ class Trainer:
             batch = batch.to(self.device)
             metrics.update(self.net(batch), batch.labels)
         self.net.train()
-        self.model.embeddings.pop_comm_stats()  # evaluation traffic is not part of the training step's figures
+        self.model.embeddings.pop_counters()  # evaluation traffic is not part of the training step's figures
         if self.world > 1:
             from recstack.distributed.parallelize import all_gather_metrics
 

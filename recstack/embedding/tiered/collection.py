@@ -430,6 +430,9 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
     def reset_cache_stats(self) -> None:
         self.counters.reset()
 
+    def pop_counters(self) -> dict[str, float]:
+        return self.stats.pop()
+
     def close(self) -> None:
         """Stop the prefetch thread and release the stores' files."""
         self._wait_prefetch()
