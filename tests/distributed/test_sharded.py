@@ -55,8 +55,7 @@ def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ra
             dist.all_reduce(global_loss)
             global_loss /= world
         losses.append(float(global_loss))
-        stats = getattr(model.embeddings, "stats", None)
-        bwd_bytes += stats.pop().get("bytes_bwd_a2a", 0.0) if stats is not None else 0.0
+        bwd_bytes += model.embeddings.pop_counters().get("bytes_bwd_a2a", 0.0)
     net.eval()
     metrics = BinaryMetrics()
     ev = BatchLoader(ds, 500 // world, (n - 2000, n), drop_last=False, rank=rank, world_size=world, prefetch=0)

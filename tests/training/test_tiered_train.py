@@ -207,9 +207,7 @@ def _stopped_run(data: Path, out: Path, extra: list[str], step: int, stop_at) ->
     """Train until ``step`` steps are done, then stop between two steps (as a killed run does)."""
     t = Trainer(load_config(None, [f'data.train="{data}"', *SMALL, *extra]), out)
     stop_at(t, step)
-    close = getattr(t.model.embeddings, "close", None)
-    if close is not None:
-        close()
+    t.close()
 
 
 def test_resume_across_memory_layouts_matches_uninterrupted(tiny_dataset: Path, tmp_path: Path, stop_at) -> None:
@@ -226,7 +224,7 @@ def test_resume_across_memory_layouts_matches_uninterrupted(tiny_dataset: Path, 
         assert ckpt.is_dir() == (first is tight)
         cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, *extra, *then])
         t = Trainer(cfg, out, resume=True)
-        assert t.step == 40 and hasattr(t.model.embeddings, "restore_files") == (then is tight)
+        assert t.step == 40 and t.model.embeddings.stores_rows_in_files == (then is tight)
         run = t.train()
         assert {k: ref[k] for k in METRICS} == {k: run[k] for k in METRICS}, (first, then)
 
