@@ -64,7 +64,7 @@ class CompressionRuntime:
 
     def codecs(self) -> tuple[str | EbCodec, str | EbCodec]:
         """-> (forward, backward) codec: the configured name, or an EbCodec for ``eb``."""
-        out = []
+        out: list[str | EbCodec] = []
         for prefix, name in zip(("eb_fwd", "eb_bwd"), self.codec_names, strict=True):
             if name == "eb":
                 codec = EbCodec(self.cfg.base_bound, self.cfg.bound_mode == "rel", self.cfg.lossless,
