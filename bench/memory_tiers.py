@@ -45,10 +45,11 @@ from recstack.data.loader import BatchLoader  # noqa: E402
 from recstack.data.synth.zipf import IdPermutation, keyed, scalar_key, uniform, zipf_ranks  # noqa: E402
 from recstack.embedding import FusedEmbeddingBagCollection  # noqa: E402
 from recstack.embedding.tiered.collection import TablePlacement, TieredEmbeddingCollection  # noqa: E402
-from recstack.embedding.tiered.placement import format_bytes, format_plan, parse_bytes, plan_placement  # noqa: E402
+from recstack.embedding.tiered.placement import format_plan, plan_placement  # noqa: E402
 from recstack.embedding.tiered.store import record_width  # noqa: E402
 from recstack.models.build import build_dense_optimizer, sparse_optimizer_config, table_configs  # noqa: E402
 from recstack.models.dlrm import DLRM  # noqa: E402
+from recstack.units import format_bytes, parse_bytes  # noqa: E402
 
 NUM_DENSE = 13
 FRACTIONS = (0.01, 0.05, 0.20, 1.0)

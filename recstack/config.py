@@ -185,7 +185,7 @@ def validate(cfg: Config, *, check_device: bool = True) -> None:
         cfg.compression.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    from recstack.embedding.tiered.placement import parse_bytes  # here: the embedding package imports torch
+    from recstack.units import parse_bytes
 
     for key in ("device", "host"):
         try:

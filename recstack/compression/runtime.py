@@ -3,7 +3,8 @@
 
 Usage (``recstack.training.trainer``)::
 
-    comp = CompressionRuntime(cfg, output_dir, rank, world)
+    comp = CompressionRuntime(cfg.compression, cfg.dist.forward_codec, cfg.dist.backward_codec,
+                              cfg.train.batch_size, output_dir, rank, world)
     fwd, bwd = comp.codecs()            # names, or configured EbCodec instances for "eb"
     shard_model(..., fwd, bwd, ...)     # the sharded collection hands them to every PooledExchange
     comp.attach(model)                  # chunk -> table map, compression.json, --dump-a2a hook
@@ -24,6 +25,7 @@ import torch
 
 from recstack.compression.analysis.capture import PayloadRecorder
 from recstack.compression.base import ChunkKey
+from recstack.compression.config import CompressionConfig
 from recstack.compression.eb.bounds import DualLevelBound
 from recstack.compression.eb.codec import EbCodec
 
@@ -42,12 +44,17 @@ def chunk_table_map(wire: list[list[tuple[int, int, int, int, int, int]]]) -> Ca
 
 
 class CompressionRuntime:
-    def __init__(self, cfg: Any, output_dir: str | Path | None, rank: int = 0, world: int = 1) -> None:
-        """``cfg``: a recstack Config (its ``dist`` and ``compression`` sections are read)."""
-        self.cfg, self.dist = cfg.compression, cfg.dist
+    """The codecs of one training run and their state: bound policies, counters, error-feedback residuals."""
+
+    def __init__(self, compression: CompressionConfig, forward_codec: str, backward_codec: str, batch_size: int,
+                 output_dir: str | Path | None, rank: int = 0, world: int = 1) -> None:
+        """``forward_codec`` / ``backward_codec``: codec names (``dist.forward_codec`` / ``backward_codec``);
+        ``batch_size``: per-rank batch rows, which fix the shape of every residual slot."""
+        self.cfg = compression
+        self.codec_names = (forward_codec, backward_codec)
         self.output_dir = Path(output_dir) if output_dir else None
         self.rank, self.world = rank, world
-        self.batch_size = cfg.train.batch_size
+        self.batch_size = batch_size
         self.layout: str | None = None  # which chunk each residual slot holds (set by ``attach``)
         self.eb: dict[str, EbCodec] = {}  # metric prefix -> codec
         self.policies: dict[str, DualLevelBound] = {}
@@ -55,10 +62,10 @@ class CompressionRuntime:
         if self.cfg.dump_dir:
             self.recorder = PayloadRecorder(self.cfg.dump_dir, self.cfg.dump_steps, rank, world)
 
-    def codecs(self) -> tuple[Any, Any]:
+    def codecs(self) -> tuple[str | EbCodec, str | EbCodec]:
         """-> (forward, backward) codec: the configured name, or an EbCodec for ``eb``."""
-        out = []
-        for prefix, name in (("eb_fwd", self.dist.forward_codec), ("eb_bwd", self.dist.backward_codec)):
+        out: list[str | EbCodec] = []
+        for prefix, name in zip(("eb_fwd", "eb_bwd"), self.codec_names, strict=True):
             if name == "eb":
                 codec = EbCodec(self.cfg.base_bound, self.cfg.bound_mode == "rel", self.cfg.lossless,
                                 error_feedback=self.cfg.error_feedback and prefix == "eb_bwd")

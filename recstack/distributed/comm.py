@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from recstack.compression.base import CastCodec, ChunkKey, Codec, get_codec
+from recstack.compression.base import ChunkKey, Codec, CodecError
+from recstack.compression.cast import CastCodec
+from recstack.compression.registry import get_codec
 from recstack.distributed.grad_aggregation import GradGroups, aggregate_flat, expand_flat
 
 
@@ -94,8 +96,6 @@ def encode_chunks(codec: Codec, chunks: list[torch.Tensor], keys: list[ChunkKey]
 
 def decode_chunks(codec: Codec, message: torch.Tensor, shapes: list[tuple[int, int]],
                   keys: list[ChunkKey] | None = None) -> list[torch.Tensor]:
-    from recstack.compression.base import CodecError
-
     k = len(shapes)
     if message.numel() < 8 * k:
         raise CodecError(f"{codec.name}: message of {message.numel()} bytes is shorter than its header")

@@ -22,7 +22,6 @@ and check the example ids of a window are unique when they read it.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from recstack.io import atomic_path, atomic_write_text
 
 COMMITTED = "_COMMITTED"
 PLAN = "_window.json"
@@ -42,24 +43,6 @@ SCHEMA = pa.schema(
 
 class MissingFMLabels(RuntimeError):
     """Examples a VM is about to train on have no FM prediction in the store (yet)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, value: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 @dataclass
@@ -92,7 +75,7 @@ class DasStore:
             return json.loads(plan_file.read_text())
         plan = {"window": window, "snapshot_version": snapshot_version, "parts": parts,
                 "rows": int(sum(parts.values()))}
-        write_json_atomic(plan_file, plan)
+        atomic_write_text(plan_file, json.dumps(plan, indent=1))
         return plan
 
     def has_part(self, window: int, part: str) -> bool:
@@ -109,12 +92,8 @@ class DasStore:
             schema=SCHEMA,
         )
         final = self.window_dir(window) / f"{part}.parquet"
-        tmp = final.with_name(final.name + ".tmp")
-        pq.write_table(table, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        with atomic_path(final) as tmp:
+            pq.write_table(table, tmp)
         return final
 
     def commit_window(self, window: int) -> None:
@@ -124,7 +103,8 @@ class DasStore:
         missing = [p for p in plan["parts"] if not self.has_part(window, p)]
         if missing:
             raise RuntimeError(f"{d}: cannot commit, parts {missing} are not written")
-        write_json_atomic(d / COMMITTED, {"rows": plan["rows"], "snapshot_version": plan["snapshot_version"]})
+        done = {"rows": plan["rows"], "snapshot_version": plan["snapshot_version"]}
+        atomic_write_text(d / COMMITTED, json.dumps(done, indent=1))
 
     def clean_temporary(self, window: int) -> int:
         """Remove half-written files a killed writer left behind; -> how many."""

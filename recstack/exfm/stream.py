@@ -23,6 +23,7 @@ from torch import nn
 
 from recstack.data.batch import Batch
 from recstack.exfm.windows import Window
+from recstack.io import json_safe
 from recstack.metrics import BinaryMetrics
 from recstack.training.checkpoint.single import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from recstack.training.logger import MetricsLogger, read_jsonl
@@ -36,7 +37,7 @@ METRIC_KEYS = ("ne", "logloss", "auc", "calibration", "ctr", "num_examples")
 def metric_values(m: BinaryMetrics) -> dict[str, float]:
     """The subset of ``BinaryMetrics.compute()`` a stream reports, JSON-ready (NaN -> None)."""
     out = m.compute()
-    return {k: (None if isinstance(out[k], float) and not math.isfinite(out[k]) else out[k]) for k in METRIC_KEYS}
+    return json_safe({k: out[k] for k in METRIC_KEYS})
 
 
 class StreamTrainer:

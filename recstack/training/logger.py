@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from recstack.io import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -165,10 +166,5 @@ def truncate_jsonl(path: Path | str, step: int) -> list[dict[str, Any]]:
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
             kept.append(record)
             lines.append(line.strip() + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(lines), sync_dir=False)
     return kept

@@ -223,7 +223,8 @@ class Trainer:
         prefetch = self.model.embeddings.next_batch_hook()
         if prefetch is not None:  # cached embedding tiers: the loader announces batches so rows come in ahead
             self.train_loader.transform = lambda b: prefetch(split(b))
-        self.compression = CompressionRuntime(cfg, self.output_dir, self.rank, self.world)
+        self.compression = CompressionRuntime(cfg.compression, cfg.dist.forward_codec, cfg.dist.backward_codec,
+                                              cfg.train.batch_size, self.output_dir, self.rank, self.world)
         if self.world > 1:
             self._parallelize()
         self.compression.attach(self.model)  # eb codecs learn which table each chunk carries; --dump-a2a hook

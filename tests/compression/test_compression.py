@@ -15,12 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from recstack.compression.base import Codec, CodecError, get_codec
+from recstack.compression.base import Codec, CodecError
 from recstack.compression.eb import core as eb_module
 from recstack.compression.eb.codec import EbCodec
 from recstack.compression.eb.core import decode, describe, encode, encode_with_info
 from recstack.compression.eb.format import HEADER, HEADER_SIZE, EbFormatError, _message_checksum
 from recstack.compression.eb.quantize import TIGHTEN
+from recstack.compression.registry import get_codec
 from recstack.distributed.comm import decode_chunks, encode_chunks
 
 LAYOUTS = ("zstd", "bitpack")

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from recstack.compression.base import ChunkKey, get_codec
+from recstack.compression.base import ChunkKey
 from recstack.compression.eb.codec import EbCodec
+from recstack.compression.registry import get_codec
 from recstack.compression.runtime import CompressionRuntime
 from recstack.config import load_config
 
@@ -100,7 +101,8 @@ def test_error_feedback_carries_the_residual() -> None:
 
 def _runtime(rank: int, world: int, error_feedback: bool = True) -> CompressionRuntime:
     cfg = load_config(None, ['dist.backward_codec="eb"', f"compression.error_feedback={str(error_feedback).lower()}"])
-    runtime = CompressionRuntime(cfg, None, rank, world)
+    runtime = CompressionRuntime(cfg.compression, cfg.dist.forward_codec, cfg.dist.backward_codec, cfg.train.batch_size,
+                                 None, rank, world)
     runtime.codecs()
     return runtime
 

@@ -136,7 +136,8 @@ def test_evaluation_passes_are_exact_and_training_passes_compressed():
     from recstack.embedding.sparse_optim import SparseOptimizerConfig
 
     cfg = load_config(None, ['dist.forward_codec="eb"', 'dist.backward_codec="fp16"'])
-    runtime = CompressionRuntime(cfg, None)
+    runtime = CompressionRuntime(cfg.compression, cfg.dist.forward_codec, cfg.dist.backward_codec, cfg.train.batch_size,
+                                 None)
     fwd, bwd = runtime.codecs()
     assert bwd == "fp16" and fwd.name == "eb"
     model = torch.nn.Module()
@@ -171,7 +172,8 @@ def test_evaluation_traffic_is_left_out_of_the_eb_metrics(exact: str, monkeypatc
     # a clock that ticks once per reading: every encode and decode the codec counts takes exactly 1 s
     monkeypatch.setattr(eb_codec, "time", types.SimpleNamespace(perf_counter=itertools.count().__next__))
     cfg = load_config(None, ['dist.forward_codec="eb"', f"compression.eval_lossless={exact}"])
-    runtime = CompressionRuntime(cfg, None)
+    runtime = CompressionRuntime(cfg.compression, cfg.dist.forward_codec, cfg.dist.backward_codec, cfg.train.batch_size,
+                                 None)
     fwd, _ = runtime.codecs()
     model = torch.nn.Module()
     model.embeddings = FusedEmbeddingBagCollection([TableConfig("C1", 100, 8, (0,))], SparseOptimizerConfig())

@@ -253,7 +253,7 @@ def test_cost_terms_follow_the_documented_formulas() -> None:
 def test_codec_row_bytes_count_in_the_all_to_all_cost() -> None:
     """fp8 and int8 send a scale (int8 also a min) with every row: the planner charges it once per pooled row,
     so a narrow column block pays it in full."""
-    from recstack.compression.base import get_codec
+    from recstack.compression.registry import get_codec
 
     for name, elem in cli.ELEMENT_BYTES.items():  # the CLI's figures are the codecs' own payload sizes
         assert get_codec(name).payload_bytes((3, 5)) == 3 * (5 * elem + cli.CODEC_ROW_BYTES[name]), name

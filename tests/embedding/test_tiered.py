@@ -14,8 +14,9 @@ from recstack.embedding.collection import init_table
 from recstack.embedding.tiered import store as tiered_store
 from recstack.embedding.tiered.cache import SetAssociativeCache, id_hash
 from recstack.embedding.tiered.collection import TablePlacement, TieredEmbeddingCollection
-from recstack.embedding.tiered.placement import format_plan, parse_bytes, plan_placement
+from recstack.embedding.tiered.placement import format_plan, plan_placement
 from recstack.embedding.tiered.store import SSDStore, init_chunks
+from recstack.units import parse_bytes
 
 # Table "b" is shared by features 1 and 3; the cached tables are "b" and "d".
 TABLES = [TableConfig("a", 50, 8, (0,)), TableConfig("b", 300, 8, (1, 3)), TableConfig("c", 7, 8, (2,)),

@@ -3,7 +3,7 @@ absolute bound, decode it back, count bytes.
 
 * ``eb``: this package (relative bound given as the equivalent absolute one, so every codec sees the same);
 * ``fp16``, ``bf16``, ``int8`` (row-wise, FBGEMM-style), ``fp8`` (row-wise e4m3): the fixed-rate all-to-all
-  codecs of ``recstack.compression.base`` (no bound: their measured error is reported);
+  codecs of ``recstack.compression.cast`` (no bound: their measured error is reported);
 * ``zstd-q``: the same quantization codes as ``eb``, as plain bytes through zstd (no deduplication, no
   layout choice): what the stages after quantization add;
 * ``sz3-nopred``, ``sz3``: SZ3 (``pysz``) in absolute-bound mode without prediction and with its default
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from recstack.compression.base import get_codec
 from recstack.compression.eb import packing as pk
 from recstack.compression.eb.core import decode, encode
+from recstack.compression.registry import get_codec
 
 
 @dataclass

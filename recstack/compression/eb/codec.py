@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from recstack.compression.base import ChunkKey, Codec, CodecError, register_codec
+from recstack.compression.base import ChunkKey, Codec, CodecError
 from recstack.compression.eb.bounds import DualLevelBound
 from recstack.compression.eb.core import decode, encode_with_info, lossless_copy
 
@@ -136,6 +136,3 @@ class EbCodec(Codec):
         else:
             out[f"{prefix}_bound"] = self.bound
         return out
-
-
-register_codec(EbCodec())

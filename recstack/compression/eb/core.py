@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from recstack.compression.base import view_bytes_as
+from recstack.compression.config import LOSSLESS
 from recstack.compression.eb import host, native
 from recstack.compression.eb import packing as pk
 from recstack.compression.eb.format import (
@@ -46,7 +47,6 @@ from recstack.compression.eb.quantize import (
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 PAIRS_MAX_ESCAPES = 0.02  # the paired layout is used when at most this share of codes needs an escape
-LOSSLESS = ("auto", "zstd", "bitpack")
 
 
 @dataclass

@@ -41,9 +41,9 @@ from recstack.distributed.planner.types import (
     TableSharding,
     TableSpec,
     Topology,
-    format_bytes,
 )
 from recstack.distributed.sharding import SHARDING_TYPES, row_blocks
+from recstack.units import format_bytes
 
 _EPS = 1e-12
 _TOP_RANKS = 8  # tied slowest ranks tried per improvement step
@@ -374,21 +374,21 @@ def plan_sharding(
             need = smallest.max_hbm
             where = "on one rank" if smallest.k == 1 else f"per rank ({smallest.sharding} over {smallest.k} ranks)"
             raise PlanError(f"table {t.name!r} ({t.rows:,} rows x {t.dim}) does not fit: its smallest footprint "
-                            f"needs {format_bytes(need)} ({need:,} bytes) {where}, HBM per rank is "
-                            f"{format_bytes(cap)} ({cap:,} bytes)")
+                            f"needs {format_bytes(need, decimal=True)} ({need:,} bytes) {where}, HBM per rank is "
+                            f"{format_bytes(cap, decimal=True)} ({cap:,} bytes)")
         options.append(opts)
     least_total = sum(min(int(o.hbm.sum()) for o in opts) for opts in options)
     if least_total > W * cap:
         need = -(-least_total // W)
-        raise PlanError(f"the tables need at least {format_bytes(least_total)} of HBM in total, "
-                        f"{format_bytes(need)} ({need:,} bytes) per rank, but each of the {W} ranks has "
-                        f"{format_bytes(cap)} ({cap:,} bytes)")
+        raise PlanError(f"the tables need at least {format_bytes(least_total, decimal=True)} of HBM in total, "
+                        f"{format_bytes(need, decimal=True)} ({need:,} bytes) per rank, but each of the {W} ranks has "
+                        f"{format_bytes(cap, decimal=True)} ({cap:,} bytes)")
 
     best = _search(options, topology, time_limit_s, restarts)
     if best is None:
-        raise PlanError(f"could not fit the tables in HBM: they need at least {format_bytes(least_total / W)} "
-                        f"per rank on average, each of the {W} ranks has {format_bytes(cap)}; allow more "
-                        f"sharding types or add memory")
+        raise PlanError(f"could not fit the tables in HBM: they need at least "
+                        f"{format_bytes(least_total / W, decimal=True)} per rank on average, each of the {W} ranks "
+                        f"has {format_bytes(cap, decimal=True)}; allow more sharding types or add memory")
     entries = []
     for i, t in enumerate(tables):
         o, ranks = best.choice[i]

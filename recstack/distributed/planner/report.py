@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from recstack.distributed.planner.cost import CostModel
-from recstack.distributed.planner.types import ShardingPlan, TableSpec, format_bytes
+from recstack.distributed.planner.types import ShardingPlan, TableSpec
+from recstack.units import format_bytes
 
 
 def format_seconds(s: float) -> str:
@@ -65,7 +66,7 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
         per_table.append((float(model.estimate(specs[e.name], e.sharding, len(e.ranks)).cost.max()), e))
     shown = per_table if len(per_table) <= top else sorted(per_table, key=lambda x: -x[0])[:top]
     rows = [(e.name, f"{e.rows:,}", e.dim, e.sharding, format_ranks(e.ranks, W),
-             format_bytes(max(e.memory_bytes_per_rank.values())), format_seconds(c)) for c, e in shown]
+             format_bytes(max(e.memory_bytes_per_rank.values()), decimal=True), format_seconds(c)) for c, e in shown]
     if len(shown) < len(per_table):
         lines.append(f"the {len(shown)} costliest of {len(per_table)} tables:")
     lines += _table(("table", "rows", "dim", "sharding", "ranks", "memory/rank", "cost/rank"), rows, {1, 2, 5, 6})
@@ -74,7 +75,7 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
     for c, e in per_table:
         by_type.setdefault(e.sharding, []).append((c, e))
     rows = [(kind, len(group), format_count(sum(e.rows * e.dim for _, e in group)),
-             format_bytes(sum(sum(e.memory_bytes_per_rank.values()) for _, e in group)),
+             format_bytes(sum(sum(e.memory_bytes_per_rank.values()) for _, e in group), decimal=True),
              f"{Counter(len(e.ranks) for _, e in group).most_common(1)[0][0]}")
             for kind, group in sorted(by_type.items())]
     lines += _table(("sharding", "tables", "parameters", "memory (all ranks)", "typical #ranks"), rows, {1, 2, 3, 4})
@@ -92,14 +93,14 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
         for n in range(topo.nodes):
             sl = slice(n * topo.devices_per_node, (n + 1) * topo.devices_per_node)
             node_rows.append((n, format_seconds(load[sl].min()), format_seconds(load[sl].mean()),
-                              format_seconds(load[sl].max()), format_bytes(hbm[sl].max()),
+                              format_seconds(load[sl].max()), format_bytes(hbm[sl].max(), decimal=True),
                               f"{100 * hbm[sl].max() / topo.hbm_bytes:.0f}%"))
         lines.append("per node:")
         lines += _table(("node", "min cost", "mean cost", "max cost", "max memory", "of HBM"), node_rows,
                         {1, 2, 3, 4, 5})
         ranks = np.argsort(-load, kind="stable")[:5].tolist()
         lines += ["", "slowest ranks:"]
-    rows = [(r, topo.node_of(r), shards[r], format_bytes(hbm[r]), f"{100 * hbm[r] / topo.hbm_bytes:.0f}%",
+    rows = [(r, topo.node_of(r), shards[r], format_bytes(hbm[r], decimal=True), f"{100 * hbm[r] / topo.hbm_bytes:.0f}%",
              format_seconds(load[r] - comm[r]), format_seconds(comm[r]), format_seconds(load[r])) for r in ranks]
     lines += _table(("rank", "node", "shards", "memory", "of HBM", "compute", "comm", "cost"), rows,
                     {0, 1, 2, 3, 4, 5, 6, 7})

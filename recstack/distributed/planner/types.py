@@ -28,20 +28,13 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from recstack.distributed.sharding import SHARDING_TYPES, row_blocks
+from recstack.units import format_bytes
 
 PLAN_VERSION = 1
 
 
 class PlanError(ValueError):
     """A request the planner cannot satisfy, or a plan that does not describe a valid sharding."""
-
-
-def format_bytes(n: float) -> str:
-    """Decimal units, as device memory is sold: 80e9 -> '80.0 GB'."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass(frozen=True)
@@ -81,9 +74,10 @@ class Topology:
         return rank // self.devices_per_node
 
     def describe(self) -> str:
-        return (f"{self.nodes} node(s) x {self.devices_per_node} devices, HBM {format_bytes(self.hbm_bytes)}, "
-                f"DDR {format_bytes(self.ddr_bytes)}/host, links {format_bytes(self.intra_bw)}/s intra, "
-                f"{format_bytes(self.inter_bw)}/s inter, memory {format_bytes(self.hbm_bw)}/s")
+        hbm, ddr, intra, inter, mem = (format_bytes(b, decimal=True) for b in (
+            self.hbm_bytes, self.ddr_bytes, self.intra_bw, self.inter_bw, self.hbm_bw))
+        return (f"{self.nodes} node(s) x {self.devices_per_node} devices, HBM {hbm}, DDR {ddr}/host, "
+                f"links {intra}/s intra, {inter}/s inter, memory {mem}/s")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -308,8 +302,8 @@ class ShardingPlan:
         for r, b in enumerate(used):
             # A hand-written plan's topology may be the job's own, whose HBM size is only a default.
             if estimates and b > self.topology.hbm_bytes:
-                raise PlanError(f"rank {r} holds {format_bytes(b)} ({b:,} bytes) of tables, HBM per rank is "
-                                f"{format_bytes(self.topology.hbm_bytes)}")
+                raise PlanError(f"rank {r} holds {format_bytes(b, decimal=True)} ({b:,} bytes) of tables, "
+                                f"HBM per rank is {format_bytes(self.topology.hbm_bytes, decimal=True)}")
 
     def check_names(self, names: Sequence[str]) -> None:
         """The plan has one entry for each of ``names`` and none for other tables."""

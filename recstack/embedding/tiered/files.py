@@ -13,7 +13,6 @@ a single file: ``read_table_files`` turns a directory checkpoint's tables into i
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from recstack.embedding.tiered.store import check_table_file
+from recstack.io import open_synced
 
 CHUNK_ROWS = 1 << 16  # rows per chunk when whole tables are initialised, saved or restored
 
@@ -81,11 +81,9 @@ class TableFilesMixin:
         if i in self.cached_tables:
             self._stores[self.cached_tables.index(i)].save(path)
             return
-        with open(path, "wb") as f:
+        with open_synced(path) as f:
             for rec in self._records(i):
                 f.write(memoryview(rec.numpy()))
-            f.flush()
-            os.fsync(f.fileno())
 
     def get_extra_state(self) -> dict[str, Any]:
         return {

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from typing import TextIO
 
 import torch
@@ -30,39 +29,10 @@ from recstack.embedding.sparse_optim import SparseOptimizerConfig
 from recstack.embedding.tiered.cache import POLICIES
 from recstack.embedding.tiered.collection import TablePlacement, TieredEmbeddingCollection
 from recstack.embedding.tiered.store import record_width
+from recstack.units import format_bytes, parse_bytes
 
 MIN_CACHE_FRACTION = 0.01
 MIN_CACHE_ROWS = 32  # one set of the set-associative cache
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_bytes(value: int | str) -> int | None:
-    """``2_000_000``, ``"512MB"``, ``"2GiB"``, ``"1.5 GB"`` -> bytes; ``""`` -> None (no budget)."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"a size cannot be negative, got {value}")
-        return value
-    if value.strip() == "":
-        return None
-    m = _SIZE.match(value)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{value!r} is not a size (bytes, or a number with B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def _min_cache_rows(table: TableConfig) -> int:
     return min(table.num_embeddings, max(MIN_CACHE_ROWS, math.ceil(MIN_CACHE_FRACTION * table.num_embeddings)))
 

@@ -33,6 +33,7 @@ from typing import BinaryIO
 import torch
 
 from recstack.embedding.collection import TableConfig
+from recstack.io import open_synced
 
 CHUNK_BYTES = 64 << 20  # streaming granularity for init, save and load
 PARALLEL_READ_MIN_RUNS = 256  # reads of fewer runs of records per thread stay on the calling thread
@@ -151,11 +152,9 @@ class HostStore(RowStore):
 
     def save(self, path: Path) -> None:
         step = _chunk_rows(self.width)
-        with open(path, "wb") as f:
+        with open_synced(path) as f:
             for r in range(0, self.num_rows, step):
                 f.write(memoryview(self.data[r : r + step].numpy()))
-            f.flush()
-            os.fsync(f.fileno())
 
     def load(self, path: Path) -> None:
         check_table_file(path, self.num_rows, self.width)
@@ -264,14 +263,12 @@ class SSDStore(RowStore):
         self.end = self.num_rows
 
     def save(self, path: Path) -> None:
-        with open(path, "wb") as f:
+        with open_synced(path) as f:
             if self.end == self.num_rows and bool((self.location == torch.arange(self.num_rows)).all()):
                 copy_file_range_all(self._file.fileno(), f.fileno(), self.nbytes)  # still in row order
             else:
                 for c in self._chunks():
                     f.write(memoryview(c.numpy()).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
 
     def load(self, path: Path) -> None:
         check_table_file(path, self.num_rows, self.width)
