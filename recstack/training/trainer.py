@@ -25,11 +25,11 @@ from tqdm import tqdm
 from recstack.compression.runtime import CompressionRuntime
 from recstack.config import Config
 from recstack.data.batch import Batch
-from recstack.data.format import PreparedDataset, layout_difference
+from recstack.data.format import PreparedDataset, capped_table_sizes, layout_difference
 from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.errors import ConfigError
 from recstack.metrics import BinaryMetrics, auc
-from recstack.models.build import build_dense_optimizer, build_model, capped_table_sizes
+from recstack.models.build import build_dense_optimizer, build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.resume import (
     claim_output_dir,
