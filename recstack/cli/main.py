@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 def _device(name: str) -> torch.device:
     """``--device`` of eval and predict: auto | cpu | cuda | cuda:N (a CUDA device must exist here)."""
-    from recstack.config import check_device_name
+    from recstack.training.config import check_device_name
     from recstack.training.trainer import resolve_device
 
     check_device_name(name, check_available=True, field="--device")
@@ -102,7 +102,7 @@ def _cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def _cmd_synth(args: argparse.Namespace) -> None:
-    from recstack.config import synth_config
+    from recstack.data.config import synth_config
     from recstack.data.synth.generate import generate
     from recstack.typed_toml import parse_override
 
