@@ -182,6 +182,12 @@ def _constraints(items: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="shard embedding tables over ranks (load-balancing planner)")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tables")
     g.add_argument("--tables", help=f"{' | '.join(NAMED_TABLES)} | FILE.json (a list of table specs) | a prepared "

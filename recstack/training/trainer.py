@@ -40,12 +40,7 @@ from recstack.training.checkpoint.resume import (
 from recstack.training.checkpoint.single import rng_state, save_checkpoint, set_rng_state
 from recstack.training.logger import MetricsLogger
 from recstack.training.lr_schedule import LRScaler, LRSchedule
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+from recstack.training.step import resolve_device
 
 
 def seed_everything(seed: int) -> None:
