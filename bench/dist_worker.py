@@ -22,9 +22,8 @@ import torch.distributed as dist
 from bench.train_throughput import kaggle_config
 from recstack.config import Config
 from recstack.data.batch import Batch
-from recstack.data.format import PreparedDataset
+from recstack.data.format import PreparedDataset, capped_table_sizes
 from recstack.data.loader import BatchLoader, LoaderPosition
-from recstack.models.build import capped_table_sizes
 from recstack.training.trainer import Trainer
 
 CODECS = ("fp32", "fp16", "bf16", "fp8", "int8")

@@ -1,5 +1,6 @@
 """Typed TOML: fill dataclasses from TOML files and ``--set section.key=value`` overrides, checking every key
-and type. Errors name the file (or override) and the key; unknown keys are never silently ignored."""
+and type (``Literal[...]`` fields: the value is one of the choices). Errors name the file (or override) and the
+key; unknown keys are never silently ignored."""
 
 from __future__ import annotations
 
@@ -14,8 +15,15 @@ from recstack.errors import ConfigError
 
 
 def _check_type(value: Any, tp: Any, where: str) -> Any:
-    """Return ``value`` converted to ``tp`` (int -> float allowed) or raise ConfigError naming ``where``."""
+    """Return ``value`` converted to ``tp`` (int -> float allowed) or raise ConfigError naming ``where``. A
+    ``Literal[...]`` field takes one of its choices only (``model.interaction: 'x' is not one of dot, cat, dcn``)."""
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        # Compared with the type too: True == 1 and 1 == 1.0, but neither is the choice 1.
+        if not any(type(value) is type(c) and value == c for c in choices):
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+        return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is types.NoneType:

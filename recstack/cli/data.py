@@ -1,4 +1,5 @@
-"""Command-line parts of ``recstack data prepare --schema`` and ``recstack data inspect``."""
+"""``recstack data prepare | inspect | synth``: raw files to the prepared format, statistics of raw or prepared
+data, synthetic click logs."""
 
 from __future__ import annotations
 
@@ -6,8 +7,82 @@ import argparse
 import sys
 from pathlib import Path
 
+from recstack.errors import ConfigError
 
-def add_schema_prepare_arguments(p: argparse.ArgumentParser) -> None:
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    data = sub.add_parser("data", help="prepare or generate data sets").add_subparsers(dest="data_command",
+                                                                                      required=True)
+    pr = data.add_parser("prepare", help="Criteo raw TSV (plain or .gz), or with --schema Parquet, CSV/TSV or "
+                                         "libFM -> prepared format")
+    pr.add_argument("inputs", nargs="+", help="raw files or directories of day files, in time order")
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--max-ind-range", type=int, help="hash categorical values into this many rows")
+    pr.add_argument("--vocab-min-freq", type=int, help="vocabulary of values seen at least this often")
+    pr.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows and report them")
+    pr.add_argument("--sub-sample-rate", type=float, default=0.0, metavar="R",
+                    help="drop each negative row with probability R (the DLRM reference's Terabyte training days: "
+                         "0.875)")
+    pr.add_argument("--sub-sample-seed", type=int, default=0, metavar="S",
+                    help="seed of the --sub-sample-rate draws (default 0)")
+    pr.add_argument("--overwrite", action="store_true")
+    _add_schema_prepare_arguments(pr)
+    pr.set_defaults(func=run_prepare)
+    _add_inspect_parser(data)
+
+    sy = data.add_parser("synth", help="generate a synthetic Criteo-shaped click log")
+    sy.add_argument("--out", required=True)
+    sy.add_argument("--rows", type=int, default=100_000)
+    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a generator option (see SynthConfig), e.g. --set drift=0.5")
+    sy.add_argument("--overwrite", action="store_true")
+    sy.set_defaults(func=run_synth)
+
+
+def run_prepare(args: argparse.Namespace) -> None:
+    if args.schema or args.valid or args.test or args.stats_from:  # schema-driven input (any format)
+        if args.sub_sample_rate:
+            raise SystemExit("data prepare: --sub-sample-rate applies to Criteo raw files, not to --schema input")
+        _run_schema_prepare(args)
+        return
+    from recstack.data.prepare.criteo_prepare import prepare_criteo, sort_day_files
+
+    inputs: list[Path] = []
+    for name in args.inputs:
+        p = Path(name)
+        inputs.extend(sort_day_files([q for q in p.iterdir() if q.is_file()]) if p.is_dir() else [p])
+    report = prepare_criteo(
+        inputs, Path(args.out), max_ind_range=args.max_ind_range, vocab_min_freq=args.vocab_min_freq,
+        skip_bad_rows=args.skip_bad_rows, overwrite=args.overwrite, sub_sample_rate=args.sub_sample_rate,
+        sub_sample_seed=args.sub_sample_seed,
+    )
+    print(f"prepared {report.rows} rows into {args.out} ({report.rows_per_sec:,.0f} rows/s)")
+    if report.dropped_negatives:
+        print(f"dropped {report.dropped_negatives} negative rows (--sub-sample-rate {args.sub_sample_rate:g})")
+    if report.skipped:
+        print(f"skipped {report.skipped} bad rows, first ones:")
+        for where in report.bad_rows[:20]:
+            print(f"  {where}")
+
+
+def run_synth(args: argparse.Namespace) -> None:
+    from recstack.data.config import synth_config
+    from recstack.data.synth.generate import generate
+    from recstack.typed_toml import parse_override
+
+    values: dict = {"rows": args.rows, "seed": args.seed}
+    for text in args.overrides:
+        keys, value = parse_override(text)
+        if len(keys) != 1:
+            raise ConfigError(f"--set {text}: expected KEY=VALUE with a generator option (see SynthConfig) as KEY")
+        values[keys[0]] = value
+    cfg = synth_config(values)
+    out = generate(cfg, Path(args.out), overwrite=args.overwrite)
+    print(f"wrote {cfg.rows} synthetic rows to {out}")
+
+
+def _add_schema_prepare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schema", help="TOML schema (configs/schemas/*.toml): read Parquet, CSV/TSV or libFM input "
                                     "with it instead of Criteo's fixed layout")
     p.add_argument("--valid", nargs="+", action="extend", default=[], metavar="FILE",
@@ -22,7 +97,7 @@ def add_schema_prepare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="with --schema: no progress bar")
 
 
-def run_schema_prepare(args: argparse.Namespace) -> None:
+def _run_schema_prepare(args: argparse.Namespace) -> None:
     from recstack.data.prepare.schema import load_schema
     from recstack.data.prepare.schema_prepare import prepare_dataset
 
@@ -46,7 +121,7 @@ def run_schema_prepare(args: argparse.Namespace) -> None:
             print(f"  {bad}")
 
 
-def add_inspect_parser(data: argparse._SubParsersAction) -> None:
+def _add_inspect_parser(data: argparse._SubParsersAction) -> None:
     p = data.add_parser("inspect", help="statistics of a raw file (Parquet, CSV/TSV, libFM) or a prepared directory")
     p.add_argument("paths", nargs="+", metavar="FILE|DIR", help="raw files, a directory of Parquet parts, or a "
                                                                  "prepared directory")

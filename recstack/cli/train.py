@@ -6,9 +6,11 @@ import argparse
 import json
 
 from recstack.config import load_config
+from recstack.errors import ConfigError
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model from a TOML config")
     p.add_argument("--config", help="TOML config file (configs/*.toml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set model.embedding_dim=32 (repeatable)")
@@ -17,11 +19,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an --output-dir that holds an earlier run (its checkpoints and metrics "
                         "are removed)")
+    p.add_argument("--dump-a2a", metavar="DIR", help="save the pooled embeddings and gradients the all-to-all "
+                   "carries, per table, at --dump-steps (for recstack analyze-a2a)")
+    p.add_argument("--dump-steps", default="1", metavar="S1,S2", help="steps to capture (default 1)")
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> dict:
     from recstack.training.trainer import Trainer
 
+    if args.dump_a2a:  # the capture settings live in [compression]; the flags are shorthands for them
+        try:
+            steps = [int(v) for v in args.dump_steps.split(",") if v.strip()]
+        except ValueError as e:
+            raise ConfigError(f"--dump-steps {args.dump_steps!r}: expected comma-separated step numbers") from e
+        args.overrides += [f"compression.dump_dir={json.dumps(args.dump_a2a)}", f"compression.dump_steps={steps}"]
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg, args.output_dir, resume=args.resume, overwrite=args.overwrite)
     try:

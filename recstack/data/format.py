@@ -115,6 +115,12 @@ def _count_difference(kind: str, a: list[str], b: list[str]) -> str:
     return f"{len(a)} vs {len(b)} {kind} features, the first that differs is #{i + 1}: {x} vs {y}"
 
 
+def capped_table_sizes(table_sizes: list[int], max_table_size: int) -> list[int]:
+    """Rows per table after ``model.max_table_size`` (0 = no cap): the table sizes a model is built with and
+    that ``BatchLoader(table_caps=...)`` takes ids modulo."""
+    return [min(n, max_table_size) if max_table_size > 0 else n for n in table_sizes]
+
+
 _LAYOUT_FIELDS = (("name", "name"), ("table", "table_name"), ("table size", "num_embeddings"),
                   ("multi_hot", "multi_hot"), ("pooling", "pooling"), ("weighted", "weighted"))
 

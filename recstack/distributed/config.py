@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
+
+from recstack.errors import ConfigError
+
+# fp32 | fp16 | bf16 | fp8 | int8 | eb (error-bounded, see [compression])
+Codec = Literal["fp32", "fp16", "bf16", "fp8", "int8", "eb"]
 
 
 @dataclass
@@ -14,10 +21,17 @@ class DistConfig:
     """
 
     plan: str = ""
-    sharding: str = "table_wise"
-    forward_codec: str = "fp32"  # fp32 | fp16 | bf16 | fp8 | int8 | eb (error-bounded, see [compression])
-    backward_codec: str = "fp32"
+    sharding: Literal["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise"] = "table_wise"
+    forward_codec: Codec = "fp32"
+    backward_codec: Codec = "fp32"
     aggregate_gradients: bool = False  # backward all-to-all: one row per distinct id of one-hot features
     timeout_s: float = 300.0
     ranks_per_node: int = 0  # 0 = LOCAL_WORLD_SIZE from torchrun
     pipeline: bool = True  # distribute the next batch's ids while the current batch computes
+
+    def validate(self) -> None:
+        """Ranges; each ConfigError names the field."""
+        if self.ranks_per_node < 0:
+            raise ConfigError(f"dist.ranks_per_node: must be >= 0, got {self.ranks_per_node}")
+        if not 0.0 < self.timeout_s < math.inf:
+            raise ConfigError(f"dist.timeout_s: must be finite and > 0, got {self.timeout_s}")

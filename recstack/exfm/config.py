@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from recstack.config import Config
-from recstack.config import synth_config as checked_synth_config
 from recstack.config import validate as validate_model
+from recstack.data.config import synth_config as checked_synth_config
 from recstack.errors import ConfigError
 from recstack.models.config import ModelConfig
 from recstack.training.config import OptimConfig, TrainConfig

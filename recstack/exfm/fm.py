@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from recstack.data.format import PreparedDataset
+from recstack.data.format import PreparedDataset, capped_table_sizes
 from recstack.data.loader import BatchLoader
 from recstack.exfm.config import NetSpec
 from recstack.exfm.stream import StreamTrainer
 from recstack.exfm.windows import VerticalIndex, Window
 from recstack.metrics import BinaryMetrics
-from recstack.models.build import build_dense_optimizer, build_model, capped_table_sizes
+from recstack.models.build import build_dense_optimizer, build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.single import checkpoint_path, load_checkpoint, save_checkpoint
 from recstack.training.trainer import seed_everything

@@ -13,11 +13,6 @@ from recstack.embedding.tiered.placement import build_collection, memory_budgets
 from recstack.models.dlrm import DLRM
 
 
-def capped_table_sizes(table_sizes: list[int], max_table_size: int) -> list[int]:
-    """Rows per table after ``model.max_table_size`` (0 = no cap)."""
-    return [min(n, max_table_size) if max_table_size > 0 else n for n in table_sizes]
-
-
 def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = None) -> list[TableConfig]:
     """``table_sizes`` and ``names`` have one entry per sparse feature: the table it looks up. Features that
     name the same table share it (a schema's ``table = ...``), so their sizes must agree."""

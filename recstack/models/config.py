@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+from recstack.errors import ConfigError
 
 
 @dataclass
@@ -15,11 +18,30 @@ class ModelConfig:
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
-    interaction: str = "dot"  # dot | cat | dcn
+    interaction: Literal["dot", "cat", "dcn"] = "dot"
     interaction_itself: bool = False
     dcn_layers: int = 3
     dcn_low_rank: int = 512
     max_table_size: int = 0
     qr_collisions: int = 0
     qr_threshold: int = 200
-    qr_operation: str = "mult"  # mult | add
+    qr_operation: Literal["mult", "add"] = "mult"
+
+    def validate(self) -> None:
+        """Ranges and the widths the interaction needs; each ConfigError names the field."""
+        if self.embedding_dim <= 0:
+            raise ConfigError("model.embedding_dim: must be positive")
+        for name, low in (("dcn_layers", 0), ("dcn_low_rank", 1), ("max_table_size", 0)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"model.{name}: must be >= {low}, got {getattr(self, name)}")
+        for name, widths in (("bottom_mlp", self.bottom_mlp), ("top_mlp", self.top_mlp)):
+            if any(w < 1 for w in widths):
+                raise ConfigError(f"model.{name}: every width must be >= 1, got {widths}")
+        if self.qr_collisions < 0 or self.qr_collisions == 1 or self.qr_threshold < 0:
+            raise ConfigError(f"model.qr_collisions / model.qr_threshold: need qr_collisions 0 (off) or >= 2 and "
+                              f"qr_threshold >= 0, got {self.qr_collisions} / {self.qr_threshold}")
+        if not self.top_mlp or self.top_mlp[-1] != 1:
+            raise ConfigError(f"model.top_mlp: must end in 1 (a logit), got {self.top_mlp}")
+        if self.interaction == "dot" and self.bottom_mlp and self.bottom_mlp[-1] != self.embedding_dim:
+            raise ConfigError(f"model.bottom_mlp: the dot interaction needs it to end in "
+                              f"embedding_dim={self.embedding_dim}, got {self.bottom_mlp}")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
+
+from recstack.errors import ConfigError
 
 
 @dataclass
@@ -10,9 +14,9 @@ class OptimConfig:
     """Dense part: ``dense`` in sgd | adagrad | adam. Embeddings: ``sparse`` in sgd | rowwise_adagrad,
     applied inside backward (no dense table gradient is built)."""
 
-    dense: str = "sgd"
+    dense: Literal["sgd", "adagrad", "adam"] = "sgd"
     dense_lr: float = 0.1
-    sparse: str = "sgd"
+    sparse: Literal["sgd", "rowwise_adagrad"] = "sgd"
     sparse_lr: float = 0.1
     eps: float = 1e-8
     adagrad_init: float = 0.0
@@ -22,6 +26,20 @@ class OptimConfig:
     lr_warmup_steps: int = 0
     lr_decay_start_step: int = 0
     lr_decay_steps: int = 0
+
+    def validate(self) -> None:
+        """Learning rates and eps finite and in range, a schedule LRSchedule accepts; errors name the field."""
+        from recstack.training.lr_schedule import LRSchedule  # torch: only when a config is checked
+
+        for name in ("dense_lr", "sparse_lr", "adagrad_init"):
+            if not 0.0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"optim.{name}: must be finite and >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.eps < math.inf:
+            raise ConfigError(f"optim.eps: must be finite and > 0, got {self.eps}")
+        try:
+            LRSchedule(self.lr_warmup_steps, self.lr_decay_start_step, self.lr_decay_steps)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
 
 @dataclass
@@ -40,3 +58,44 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     progress: bool = True
+
+    def validate(self, check_device: bool = True) -> None:
+        """Counts in range, something to train, a device of the right form; with ``check_device`` a CUDA
+        ``device`` must exist on this machine. Errors name the field."""
+        for name, low in (("epochs", 0), ("max_steps", 0), ("eval_every", 0), ("log_every", 1),
+                          ("checkpoint_every", 0), ("keep_checkpoints", 0), ("threads", 0), ("seed", 0)):
+            if getattr(self, name) < low:  # keep_checkpoints 0 = keep all
+                raise ConfigError(f"train.{name}: must be >= {low}, got {getattr(self, name)}")
+        if self.seed > 2**32 - 1:  # numpy's seed range
+            raise ConfigError(f"train.seed: must be <= 2**32 - 1, got {self.seed}")
+        if self.epochs == 0 and self.max_steps == 0:
+            raise ConfigError("train.epochs: 0 trains nothing (set train.epochs or train.max_steps)")
+        check_device_name(self.device, check_device)
+        if self.batch_size <= 0 or self.eval_batch_size <= 0:
+            raise ConfigError("train.batch_size and train.eval_batch_size: must be positive")
+        if not 0.0 <= self.target_auc < 1.0:
+            raise ConfigError(f"train.target_auc: must be in [0, 1), got {self.target_auc}")
+        if self.target_auc and not self.eval_every:
+            raise ConfigError("train.target_auc: needs train.eval_every > 0 (the AUC is checked at each evaluation)")
+
+
+def check_device_name(name: str, check_available: bool, field: str = "train.device") -> None:
+    """``field`` (``train.device``, or a command's ``--device``): auto | cpu | cuda | cuda:N; with
+    ``check_available``, a CUDA device must exist here."""
+    if name == "auto":
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ConfigError(f"{field}: {name!r} is not one of auto, cpu, cuda, cuda:N") from e
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index is not None):
+        raise ConfigError(f"{field}: {name!r} is not one of auto, cpu, cuda, cuda:N")
+    if device.type == "cuda" and check_available:
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{field}: {name!r} but CUDA is not available on this machine "
+                              f"(use auto or cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"{field}: {name!r} but this machine has {torch.cuda.device_count()} CUDA "
+                              f"device(s)")

@@ -10,10 +10,10 @@ import torch
 from tqdm import tqdm
 
 from recstack.config import Config, config_from_dict
-from recstack.data.format import PreparedDataset
+from recstack.data.format import PreparedDataset, capped_table_sizes
 from recstack.data.loader import BatchLoader
 from recstack.metrics import BinaryMetrics
-from recstack.models.build import build_model, capped_table_sizes
+from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.sharded import (
     SHARDED_STATE_FILE,

@@ -25,11 +25,11 @@ from tqdm import tqdm
 from recstack.compression.runtime import CompressionRuntime
 from recstack.config import Config
 from recstack.data.batch import Batch
-from recstack.data.format import PreparedDataset, layout_difference
+from recstack.data.format import PreparedDataset, capped_table_sizes, layout_difference
 from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.errors import ConfigError
 from recstack.metrics import BinaryMetrics, auc
-from recstack.models.build import build_dense_optimizer, build_model, capped_table_sizes
+from recstack.models.build import build_dense_optimizer, build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.resume import (
     claim_output_dir,
@@ -40,12 +40,7 @@ from recstack.training.checkpoint.resume import (
 from recstack.training.checkpoint.single import rng_state, save_checkpoint, set_rng_state
 from recstack.training.logger import MetricsLogger
 from recstack.training.lr_schedule import LRScaler, LRSchedule
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+from recstack.training.step import resolve_device
 
 
 def seed_everything(seed: int) -> None:

@@ -1,16 +1,13 @@
-"""``recstack analyze-a2a``: what captured all-to-all payloads look like and how well each codec does.
+"""What captured all-to-all payloads look like and how well each codec does (``recstack analyze-a2a``).
 
 Per file: shape, value range, distinct rows (exact, and after quantization at the bound), order-0 entropy
-of the quantization codes, and for each codec the ratio and the largest error it made. The text report
-averages over the steps and ranks of each (direction, table); ``--json`` prints the per-file figures.
-Captured payloads come from ``recstack train --dump-a2a DIR``; raw little-endian float32 files (dumps from
-other DLRM code) are read with ``--raw-shape NxD``.
+of the quantization codes, and for each codec the ratio and the largest error it made; ``report`` averages
+them over the steps and ranks of each (direction, table). Captured payloads come from ``recstack train
+--dump-a2a DIR``; raw little-endian float32 files (dumps from other DLRM code) are read with a given shape.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from collections import defaultdict
 from typing import Any
@@ -52,18 +49,6 @@ def analyze_array(a: np.ndarray, bound: float, relative: bool, codecs: list) -> 
             results[b.name] = r
     out["codecs"] = results
     return out
-
-
-def _parse_shape(text: str | None) -> tuple[int, int] | None:
-    if not text:
-        return None
-    try:
-        n, d = (int(v) for v in text.lower().split("x"))
-    except ValueError as e:
-        raise ValueError(f"--raw-shape {text!r}: expected NxD, e.g. 2048x64 (N may be 0: any number of rows)") from e
-    if n < 0 or d <= 0:
-        raise ValueError(f"--raw-shape {text!r}: N must be >= 0 and D > 0")
-    return n, d
 
 
 def analyze(paths: list[str], bound: float, relative: bool, raw_shape: tuple[int, int] | None,
@@ -119,36 +104,3 @@ def report(rows: list[dict[str, Any]], bound: float, relative: bool) -> str:
                      f"{mean['distinct_rows']:>4.0f}/{n_rows:<4} {mean['code_entropy_bits']:>6.2f} " + " ".join(cells))
     lines.append("geometric mean over tables: " + ", ".join(f"{n} {_geomean(v):.2f}" for n, v in per_codec.items()))
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("paths", nargs="+", help="capture directories (recstack train --dump-a2a) or payload files")
-    p.add_argument("--bound", type=float, default=0.03, help="error bound (default 0.03, relative to range)")
-    p.add_argument("--abs", dest="absolute", action="store_true", help="the bound is absolute")
-    p.add_argument("--raw-shape", help="shape NxD of raw little-endian float32 files, e.g. 2048x64")
-    p.add_argument("--codecs", help=f"comma-separated codecs (default: {','.join(DEFAULT_CODECS)} where installed)")
-    p.add_argument("--direction", choices=["fwd", "bwd", "raw"], action="append", help="only these payloads")
-    p.add_argument("--json", action="store_true", help="print the per-file figures as JSON")
-
-
-def _json_safe(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_json_safe(x) for x in v]
-    if isinstance(v, float | np.floating):
-        return float(v) if math.isfinite(v) else None
-    if isinstance(v, np.integer):
-        return int(v)
-    return v
-
-
-def run(args: argparse.Namespace) -> None:
-    if not args.bound >= 0:
-        raise ValueError(f"--bound must be >= 0, got {args.bound}")
-    codecs = [c.strip() for c in args.codecs.split(",")] if args.codecs else None
-    rows = analyze(args.paths, args.bound, not args.absolute, _parse_shape(args.raw_shape), codecs, args.direction)
-    if args.json:  # JSON has no NaN: undefined figures (entropy of a constant payload) become null
-        print(json.dumps(_json_safe(rows), indent=1))
-    else:
-        print(report(rows, args.bound, not args.absolute))

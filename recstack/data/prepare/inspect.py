@@ -255,8 +255,7 @@ def inspect_prepared(path: str | Path, max_table_size: int = 0, embedding_dim: i
                      chunk_rows: int = 1 << 20) -> PreparedReport:
     """Rows, label rate, per-feature statistics and the embedding tables a model built on ``path`` gets
     (after ``model.max_table_size``), with their memory at ``embedding_dim`` float32 columns."""
-    from recstack.data.format import PreparedDataset
-    from recstack.models.build import capped_table_sizes
+    from recstack.data.format import PreparedDataset, capped_table_sizes
 
     ds = PreparedDataset(path)
     n = len(ds)
@@ -271,7 +270,7 @@ def inspect_prepared(path: str | Path, max_table_size: int = 0, embedding_dim: i
                       "raw_mean_std": dense_stats.get(name)})
     caps = capped_table_sizes(ds.table_sizes, max_table_size)
     schema_reader = ds.info.get("reader") == "schema"
-    sparse = []
+    sparse: list[dict[str, Any]] = []
     for s, col, cap in zip(ds.sparse_features, ds.sparse_column, caps, strict=True):
         used = np.zeros(s.num_embeddings, bool) if s.num_embeddings <= 50_000_000 else None
         zeros = bag_total = 0

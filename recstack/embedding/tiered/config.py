@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from recstack.errors import ConfigError
+from recstack.units import parse_bytes
 
 
 @dataclass
@@ -14,5 +18,13 @@ class MemoryConfig:
     device: int | str = ""
     host: int | str = ""
     ssd_dir: str = ""
-    cache_policy: str = "lru"  # lru | lfu
+    cache_policy: Literal["lru", "lfu"] = "lru"
     prefetch: bool = True  # fetch the next batch's rows while the current batch computes
+
+    def validate(self) -> None:
+        """``device`` and ``host`` are sizes; a ConfigError names the field."""
+        for name in ("device", "host"):
+            try:
+                parse_bytes(getattr(self, name))
+            except ValueError as e:
+                raise ConfigError(f"memory.{name}: {e}") from e
