@@ -36,7 +36,7 @@ from recstack.distributed.comm import CommStats, PooledExchange, all_to_all_vari
 from recstack.distributed.grad_aggregation import GradGroups
 from recstack.distributed.planner.types import PlanPlacements, TableSpec
 from recstack.distributed.sharding import Shard, table_shards
-from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_block, init_table
+from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_block
 from recstack.embedding.fused import FusedEmbeddingBagCollection, TableInit
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
 
@@ -184,9 +184,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 local_tables.append(TableConfig(f"{self.tables[t].name}.shard{si}", s.rows, dim, tuple(feats)))
                 held.append(s)
 
-            def init(i: int, held: list[Shard] = held) -> torch.Tensor:  # the same rows as the whole table's
+            def init(i: int, out: torch.Tensor, held: list[Shard] = held) -> None:  # the whole table's rows
                 s = held[i]
-                return init_block(self.tables[s.table], seed, s.table, (s.row0, s.row1), (s.col0, s.col1))
+                init_block(self.tables[s.table], seed, s.table, (s.row0, s.row1), (s.col0, s.col1), out=out)
 
             coll = local_collection(local_tables, self.optimizer.config, self.device, init)
             key = f"d{dim}"
@@ -201,10 +201,13 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             remap = {f: i for i, f in enumerate(self.dp_features)}
             cfgs = [TableConfig(self.tables[t].name, self.tables[t].num_embeddings, self.embedding_dim,
                                 tuple(remap[f] for f in self.tables[t].features)) for t in dp_tables]
-            self.replicated = ReplicatedEmbeddingBagCollection(
-                cfgs, self.optimizer.config, lambda i: init_table(self.tables[dp_tables[i]], seed, dp_tables[i]),
-                self.device, self.dp_group, self.stats,
-            )
+
+            def whole(i: int, out: torch.Tensor) -> None:
+                t = self.tables[dp_tables[i]]
+                init_block(t, seed, dp_tables[i], (0, t.num_embeddings), (0, t.embedding_dim), out=out)
+
+            self.replicated = ReplicatedEmbeddingBagCollection(cfgs, self.optimizer.config, whole, self.device,
+                                                               self.dp_group, self.stats)
 
     # -- forward -----------------------------------------------------------------------------------------
     def input_dist(self, sparse: SparseFeatures, group: dist.ProcessGroup | None = None) -> RoutedIds:

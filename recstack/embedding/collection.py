@@ -60,13 +60,14 @@ def init_row_chunks(table: TableConfig, seed: int, index: int, chunk_rows: int, 
 INIT_CHUNK_BYTES = 8 << 20  # per chunk of a block drawn by ``init_block``
 
 
-def init_block(table: TableConfig, seed: int, index: int, rows: tuple[int, int], cols: tuple[int, int]
-               ) -> torch.Tensor:
-    """Rows [row0, row1) x columns [col0, col1) of ``init_table`` (a shard's initial values) -> [rows, cols]
-    float32. The rows before ``row0`` are drawn and dropped chunk by chunk (the generator cannot skip), so the
-    memory held is the block plus one chunk of ``INIT_CHUNK_BYTES``."""
+def init_block(table: TableConfig, seed: int, index: int, rows: tuple[int, int], cols: tuple[int, int],
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [row0, row1) x columns [col0, col1) of ``init_table`` (a shard's initial values), written into
+    ``out`` [rows, cols] (any device; default a new float32 CPU tensor) chunk by chunk -> ``out``. The rows
+    before ``row0`` are drawn and dropped (the generator cannot skip), so besides ``out`` only one chunk of
+    ``INIT_CHUNK_BYTES`` is held."""
     (r0, r1), (c0, c1) = rows, cols
-    out = torch.empty(r1 - r0, c1 - c0)
+    out = torch.empty(r1 - r0, c1 - c0) if out is None else out
     chunk_rows = max(1, INIT_CHUNK_BYTES // (4 * max(1, table.embedding_dim)))
     pos = 0
     for chunk in init_row_chunks(table, seed, index, chunk_rows, stop=r1):

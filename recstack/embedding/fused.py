@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from recstack.data.batch import SparseFeatures
-from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_table
+from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_block
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
 
-# Table index -> its initial rows [rows, D] (float32, any device): how a collection that holds parts of tables
-# (the sharded collection's local shards) gives them the values of the whole tables.
-TableInit = Callable[[int], torch.Tensor]
+# (table index i, out [rows_i, D]) -> None: writes table i's initial rows into ``out`` (a view of the weight,
+# on the collection's device): how a collection of parts of tables (the sharded collection's local shards) gets
+# the values of the whole tables, one chunk at a time.
+TableInit = Callable[[int, torch.Tensor], None]
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -67,8 +68,9 @@ class FusedEmbeddingBagCollection(EmbeddingCollection):
         device: torch.device | str = "cpu",
         init: TableInit | None = None,
     ) -> None:
-        """Rows from ``init_table`` with ``seed``, or from ``init`` when given; on the ``meta`` device no values
-        at all (a model whose tables will be sharded: only their shapes are needed)."""
+        """Rows of ``init_table`` with ``seed`` (drawn in chunks straight into the weight), or from ``init`` when
+        given; on the ``meta`` device no values at all (a model whose tables will be sharded: only their shapes
+        are needed)."""
         super().__init__(tables, optimizer)
         # On ``device`` like the weight: a collection built after its model was moved there (the sharded
         # collection's local tables) is never moved, and a CPU feature_offsets fails against CUDA ids.
@@ -79,10 +81,14 @@ class FusedEmbeddingBagCollection(EmbeddingCollection):
             "feature_offsets", table_offsets[self.feature_table].clone(), persistent=False
         )  # [F] first row of each feature's table
         weight = torch.empty(sum(t.num_embeddings for t in tables), self.embedding_dim, device=device)
-        if weight.device.type != "meta":  # one table at a time: never the tables and the weight side by side
+        if weight.device.type != "meta":  # in place, chunk by chunk: never a table beside the weight
             r0 = 0
             for i, t in enumerate(tables):
-                weight[r0 : r0 + t.num_embeddings] = init(i) if init is not None else init_table(t, seed, i)
+                rows = weight[r0 : r0 + t.num_embeddings]
+                if init is not None:
+                    init(i, rows)
+                else:
+                    init_block(t, seed, i, (0, t.num_embeddings), (0, t.embedding_dim), out=rows)
                 r0 += t.num_embeddings
         self.register_buffer("weight", weight)  # [R, D]
         acc = None

@@ -109,6 +109,9 @@ def test_shard_blocks_are_the_rows_of_the_whole_table(monkeypatch: pytest.Monkey
     whole = init_table(t, 5, 3)
     for r0, r1, c0, c1 in shard_blocks(sharding, t.num_embeddings, t.embedding_dim, k):
         assert torch.equal(collection.init_block(t, 5, 3, (r0, r1), (c0, c1)), whole[r0:r1, c0:c1])
+        out = torch.full((r1 - r0, c1 - c0), float("nan"))  # a view of a weight, written in place
+        assert collection.init_block(t, 5, 3, (r0, r1), (c0, c1), out=out) is out
+        assert torch.equal(out, whole[r0:r1, c0:c1])
     assert collection.init_block(t, 5, 3, (1001, 1001), (0, 8)).shape == (0, 8)  # an empty row shard
     monkeypatch.undo()
     assert torch.equal(torch.cat(list(collection.init_row_chunks(t, 5, 3, 97))), whole)
@@ -117,10 +120,11 @@ def test_shard_blocks_are_the_rows_of_the_whole_table(monkeypatch: pytest.Monkey
 def test_fused_collection_from_an_init_function_and_on_meta() -> None:
     """``init`` gives each table's rows; on "meta" the collection has shapes and no values (nothing is drawn)."""
     tables = [TableConfig("a", 5, 4, (0,)), TableConfig("b", 3, 4, (1,))]
-    given = FusedEmbeddingBagCollection(tables, SparseOptimizerConfig(),
-                                        init=lambda i: torch.full((tables[i].num_embeddings, 4), float(i)))
+    given = FusedEmbeddingBagCollection(tables, SparseOptimizerConfig(), init=lambda i, out: out.fill_(float(i)))
     assert torch.equal(given.weight, torch.cat([torch.zeros(5, 4), torch.ones(3, 4)]))
-    meta = FusedEmbeddingBagCollection(tables, SparseOptimizerConfig(), init=lambda i: 1 / 0, device="meta")
+    drawn = FusedEmbeddingBagCollection(tables, SparseOptimizerConfig(), seed=7)  # in place, in chunks
+    assert torch.equal(drawn.weight, torch.cat([init_table(t, 7, i) for i, t in enumerate(tables)]))
+    meta = FusedEmbeddingBagCollection(tables, SparseOptimizerConfig(), init=lambda i, out: 1 / 0, device="meta")
     assert meta.weight.is_meta and tuple(meta.weight.shape) == (8, 4)
 
 
