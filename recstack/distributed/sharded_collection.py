@@ -11,14 +11,16 @@ Per step, on every rank (B = local batch, F features, W ranks):
      ``aggregate_gradients`` one row per distinct id of one-hot features) and the owner applies the fused
      sparse optimizer; replicated tables all-reduce their gradient and update every replica.
 Gradients are scaled by 1/W to match DDP's averaging of the dense part, so W ranks with batch B reproduce
-one process with batch W*B. Step 1 is ``input_dist`` (-> ``RoutedIds``); forward runs it unless the input
-pipeline (``recstack.distributed.pipeline``) ran it ahead for this batch and handed the result over with
-``use_routed``. The local shards are collections of a factory (``local_collection``: fused by default) built
-with the shards' initial values, which are the same rows of the whole tables (``init_block``), so the
-model's collection can be a shape-only one on the ``meta`` device: no rank ever holds a table it does not
-own. A rank may have no samples (B = 0: the last, short evaluation batch) and still
+one process with batch W*B. A rank may have no samples (B = 0: the last, short evaluation batch) and still
 takes part in every collective; a row shard may hold no rows (row blocks of ceil(rows / k) rows leave the
 last ones empty for small tables): it gets no ids and its partial sums are zero.
+
+Step 1 is ``input_dist`` (-> ``RoutedIds``); forward runs it itself unless the input pipeline
+(``recstack.distributed.pipeline``) ran it ahead for this very batch and handed the result over with
+``use_routed`` (TorchRec's input_dist / compute / output_dist split). The local shards live in collections made
+by a factory (``local_collection``; fused in memory by default) and drawn with the rows the whole tables have
+there (``init_block``), one chunk at a time: the model's own collection can be a shape-only one on the
+``meta`` device, and no rank ever holds rows it does not own.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from recstack.embedding.collection import EmbeddingCollection, TableConfig, init
 from recstack.embedding.fused import FusedEmbeddingBagCollection, TableInit
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
 
-# (tables, optimizer, device, init) -> the collection that holds a group of local shards, its table i's rows
-# from init(i): how the shards are held (in memory, or later in cached tiers) is the factory's choice.
+# (tables, optimizer, device, init) -> the collection that holds one group of local shards, init(i, out) writing
+# its table i's initial rows: how the shards are held (in memory, or later in cached tiers) is the factory's.
 LocalCollection = Callable[[list[TableConfig], SparseOptimizerConfig, torch.device, TableInit], EmbeddingCollection]
 
 
