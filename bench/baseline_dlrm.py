@@ -9,26 +9,17 @@ MLP layout as ``recstack.models.dlrm``, built from plain ``nn`` modules so that 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recstack.models.fused_mlp import mlp_layers
+
 
 def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
-    """Plain ``nn.Sequential`` of Linear and ReLU layers, initialised as in the DLRM reference
-    (W ~ N(0, sqrt(2 / (fan_in + fan_out))), b ~ N(0, sqrt(1 / fan_out))); autograd does the backward."""
-    layers: list[nn.Module] = []
-    for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-        lin = nn.Linear(m, n)
-        with torch.no_grad():
-            lin.weight.normal_(0.0, math.sqrt(2.0 / (m + n)))
-            lin.bias.normal_(0.0, math.sqrt(1.0 / n))
-        layers.append(lin)
-        if i < len(sizes) - 2 or last_activation:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    """Plain ``nn.Sequential`` of recstack's Linear and ReLU layers (the DLRM reference init,
+    ``mlp_layers``); autograd does the backward."""
+    return nn.Sequential(*mlp_layers(sizes, last_activation))
 
 
 class BaselineDLRM(nn.Module):

@@ -100,7 +100,10 @@ class RecstackModel:
         if case.pipeline and self.route is None:
             raise RuntimeError("the trainer installed no pipelined input distribution")
         self.emb.forward_codec = self.emb.backward_codec = case.codec
-        for batch in self.loader(start, n, self.route if case.pipeline else None).iterate_epoch():
+        batches = self.loader(start, n, self.route if case.pipeline else None).iterate_epoch()
+        if case.pipeline:  # each batch's ids, distributed by the loader's thread, go to the collection with it
+            batches = self.trainer.input_pipeline.batches(batches)
+        for batch in batches:
             yield self.trainer.train_step(batch)
 
     def pop_stats(self) -> dict[str, float]:

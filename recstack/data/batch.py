@@ -9,7 +9,6 @@ lets a sharded collection cut the id stream by feature (table-wise) with one sli
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -35,9 +34,6 @@ class SparseFeatures:
     offsets: torch.Tensor
     num_features: int
     weights: torch.Tensor | None = None
-    # Set by a pipelined sharded collection: the ids already distributed to their owners (while the previous
-    # batch trained); the collection's forward uses it instead of communicating again.
-    routed: Any = field(default=None, compare=False, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -81,7 +77,6 @@ class SparseFeatures:
             self.offsets.to(device, non_blocking=non_blocking),
             self.num_features,
             w,
-            self.routed,  # routed tensors already live on the device the collection runs on
         )
 
 

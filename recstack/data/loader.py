@@ -80,7 +80,8 @@ class BatchLoader:
         )  # [F] rows per table after capping; ids are taken modulo
         self.rank, self.world_size = rank, world_size
         self.prefetch = prefetch
-        self.transform = transform  # runs in the prefetch thread, e.g. a pipelined input distribution
+        # Runs in the prefetch thread; a model's is composed by recstack.distributed.pipeline.InputPipeline.
+        self.transform = transform
         self.position = LoaderPosition()
 
     @property

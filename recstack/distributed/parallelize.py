@@ -62,7 +62,8 @@ def shard_model(
     ranks_per_node: int | None = None,
     aggregate_gradients: bool = False,
 ) -> DLRM:
-    """Replace the model's local collection with a sharded one holding the same initial rows."""
+    """Replace the model's collection (built on ``meta`` for this: ``build_model(tables_on_meta=True)``, or a
+    real one, whose rows are not read) with a sharded one holding this rank's shards of the same initial rows."""
     emb = model.embeddings
     model.embeddings = ShardedEmbeddingCollection(
         emb.tables, emb.optimizer.config, placements, seed, device, forward_codec, backward_codec, ranks_per_node,

@@ -14,9 +14,20 @@ Gradients are scaled by 1/W to match DDP's averaging of the dense part, so W ran
 one process with batch W*B. A rank may have no samples (B = 0: the last, short evaluation batch) and still
 takes part in every collective; a row shard may hold no rows (row blocks of ceil(rows / k) rows leave the
 last ones empty for small tables): it gets no ids and its partial sums are zero.
+
+Step 1 is ``input_dist`` (-> ``RoutedIds``); forward runs it itself unless the input pipeline
+(``recstack.distributed.pipeline``) ran it ahead for this very batch and handed the result over with
+``use_routed`` (TorchRec's input_dist / compute / output_dist split). The local shards live in collections made
+by a factory (``local_collection``; fused in memory by default) and drawn with the rows the whole tables have
+there (``init_block``), one chunk at a time: the model's own collection can be a shape-only one on the
+``meta`` device, and no rank ever holds rows it does not own.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,8 +38,33 @@ from recstack.distributed.comm import CommStats, PooledExchange, all_to_all_vari
 from recstack.distributed.grad_aggregation import GradGroups
 from recstack.distributed.planner.types import PlanPlacements, TableSpec
 from recstack.distributed.sharding import Shard, table_shards
-from recstack.embedding.collection import EmbeddingCollection, FusedEmbeddingBagCollection, TableConfig, init_table
+from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_block
+from recstack.embedding.fused import FusedEmbeddingBagCollection, TableInit
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
+
+# (tables, optimizer, device, init) -> the collection that holds one group of local shards, init(i, out) writing
+# its table i's initial rows: how the shards are held (in memory, or later in cached tiers) is the factory's.
+LocalCollection = Callable[[list[TableConfig], SparseOptimizerConfig, torch.device, TableInit], EmbeddingCollection]
+
+
+def fused_local(tables: list[TableConfig], optimizer: SparseOptimizerConfig, device: torch.device,
+                init: TableInit) -> EmbeddingCollection:
+    """The default local collection: every local shard in memory on ``device``."""
+    return FusedEmbeddingBagCollection(tables, optimizer, device=device, init=init)
+
+
+@dataclass(frozen=True)
+class RoutedIds:
+    """The input distribution of one batch, what ``forward`` needs besides it: the batch size of every rank,
+    (ids, lengths) of each pair this rank owns over all ranks' samples, their per-id weights, and with
+    ``aggregate_gradients`` the backward exchange's (send, receive) id groups per [rank][chunk]. ``ids`` is
+    the batch's own id tensor, so that forward can check it is given the batch these were routed for."""
+
+    ids: torch.Tensor
+    batch_sizes: list[int]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    weights: list[torch.Tensor | None]
+    grad_groups: GradGroups | None
 
 
 class _GatherPieces(torch.autograd.Function):
@@ -67,14 +103,12 @@ class ReplicatedEmbeddingBagCollection(FusedEmbeddingBagCollection):
     """Data-parallel tables: the dense table gradient is all-reduced (mean over ranks) before the update, so
     every replica stays identical. Only sensible for small tables."""
 
-    def __init__(self, tables: list[TableConfig], optimizer: SparseOptimizerConfig, seed: int,
+    def __init__(self, tables: list[TableConfig], optimizer: SparseOptimizerConfig, init: TableInit,
                  device: torch.device | str, group: dist.ProcessGroup | None, stats: CommStats) -> None:
-        super().__init__(tables, optimizer, seed=seed, device=device)
+        super().__init__(tables, optimizer, device=device, init=init)
         self.group, self.stats = group, stats
 
     def apply_gradients(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        import time
-
         t0 = time.perf_counter()
         dense = torch.zeros_like(self.weight)
         dense.index_add_(0, rows, grads)  # [R, D]
@@ -97,9 +131,12 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         backward_codec: str = "fp32",
         ranks_per_node: int | None = None,
         aggregate_gradients: bool = False,
+        local_collection: LocalCollection = fused_local,
     ) -> None:
         """placements[t] = (sharding type, ranks) for table t, as in a ShardingPlan. ``aggregate_gradients``:
-        the backward exchange sends one row per distinct id of one-hot features (grad_aggregation.py)."""
+        the backward exchange sends one row per distinct id of one-hot features (grad_aggregation.py).
+        ``local_collection`` builds the collections of this rank's shards (one per shard dim); the tables'
+        rows come from ``init_table`` with ``seed``, only the shards of this rank are ever drawn."""
         super().__init__(tables, optimizer)
         if len(placements) != len(tables):
             raise ValueError(f"{len(placements)} placements for {len(tables)} tables")
@@ -116,6 +153,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.stats = CommStats()
         self.forward_codec, self.backward_codec = forward_codec, backward_codec
         self.aggregate_gradients = aggregate_gradients
+        self._routed: RoutedIds | None = None  # handed over by the input pipeline for the next forward
         self.shards: list[list[Shard]] = [
             table_shards(i, t.num_embeddings, t.embedding_dim, kind, list(ranks), self.world, ranks_per_node)
             for i, (t, (kind, ranks)) in enumerate(zip(tables, placements, strict=True))
@@ -127,9 +165,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             for s in self.shards[t]:
                 if s.combine != "local":
                     self.pairs[s.rank].append((f, s))
-        self._build_local_tables(seed)
+        self._build_local_tables(seed, local_collection)
 
-    def _build_local_tables(self, seed: int) -> None:
+    def _build_local_tables(self, seed: int, local_collection: LocalCollection) -> None:
         mine = self.pairs[self.rank]
         by_dim: dict[int, list[int]] = {}  # shard dim -> indices into ``mine``
         for i, (_, s) in enumerate(mine):
@@ -137,22 +175,22 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.groups = torch.nn.ModuleDict()
         self.group_pairs: dict[str, list[int]] = {}
         self.pair_slot: list[tuple[str, int]] = [("", 0)] * len(mine)  # pair -> (group, local feature index)
-        full_cache: dict[int, torch.Tensor] = {}
         for dim, idxs in sorted(by_dim.items()):
             shard_ids: dict[tuple[int, int], list[int]] = {}  # one local table per shard, shared by its pairs
             for local_f, i in enumerate(idxs):
                 s = mine[i][1]
                 shard_ids.setdefault((s.table, s.index), []).append(local_f)
-            local_tables, slices = [], []
+            local_tables, held = [], []
             for (t, si), feats in shard_ids.items():
                 s = self.shards[t][si]
                 local_tables.append(TableConfig(f"{self.tables[t].name}.shard{si}", s.rows, dim, tuple(feats)))
-                if t not in full_cache:
-                    full_cache[t] = init_table(self.tables[t], seed, t)
-                slices.append(full_cache[t][s.row0 : s.row1, s.col0 : s.col1])
-            coll = FusedEmbeddingBagCollection(local_tables, self.optimizer.config, device=self.device)
-            with torch.no_grad():
-                coll.weight.copy_(torch.cat(slices))  # same rows as the unsharded table
+                held.append(s)
+
+            def init(i: int, out: torch.Tensor, held: list[Shard] = held) -> None:  # the whole table's rows
+                s = held[i]
+                init_block(self.tables[s.table], seed, s.table, (s.row0, s.row1), (s.col0, s.col1), out=out)
+
+            coll = local_collection(local_tables, self.optimizer.config, self.device, init)
             key = f"d{dim}"
             self.groups[key] = coll
             self.group_pairs[key] = idxs
@@ -165,24 +203,18 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             remap = {f: i for i, f in enumerate(self.dp_features)}
             cfgs = [TableConfig(self.tables[t].name, self.tables[t].num_embeddings, self.embedding_dim,
                                 tuple(remap[f] for f in self.tables[t].features)) for t in dp_tables]
-            self.replicated = ReplicatedEmbeddingBagCollection(
-                cfgs, self.optimizer.config, 0, self.device, self.dp_group, self.stats
-            )
-            with torch.no_grad():
-                self.replicated.weight.copy_(torch.cat([init_table(self.tables[t], seed, t) for t in dp_tables]))
+
+            def whole(i: int, out: torch.Tensor) -> None:
+                t = self.tables[dp_tables[i]]
+                init_block(t, seed, dp_tables[i], (0, t.num_embeddings), (0, t.embedding_dim), out=out)
+
+            self.replicated = ReplicatedEmbeddingBagCollection(cfgs, self.optimizer.config, whole, self.device,
+                                                               self.dp_group, self.stats)
 
     # -- forward -----------------------------------------------------------------------------------------
-    def route(self, sparse: SparseFeatures) -> SparseFeatures:
-        """Distribute the ids of a future batch now (pipelining: called from the loader's prefetch thread
-        while the current batch computes, on a process group of its own); forward then skips that step."""
-        sparse.routed = self._input_dist(sparse, self.pipeline_group)
-        return sparse
-
-    def _input_dist(self, sparse: SparseFeatures, group: dist.ProcessGroup | None = None) -> tuple[
-        list[int], list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor | None], GradGroups | None
-    ]:
-        """-> (batch size of every rank, (ids, lengths) per owned pair over all ranks' samples, weights, and
-        with ``aggregate_gradients`` the backward exchange's (send, receive) id groups per [rank][chunk])."""
+    def input_dist(self, sparse: SparseFeatures, group: dist.ProcessGroup | None = None) -> RoutedIds:
+        """Collective on ``group`` (default: the forward's own): send each pair's ids of this rank's samples to
+        the pair's owner. The input pipeline calls it ahead, from the loader's thread, on ``pipeline_group``."""
         group = group or self.ids_group
         b = sparse.batch_size
         lengths = sparse.lengths.view(sparse.num_features, b)  # [F, B]
@@ -241,14 +273,26 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                                         for p in range(n)], weighted)  # the owner side: ids it got from each rank
             per_owner = [len(self.pairs[r]) for r in range(self.world)]
             groups = (_nest(sent, per_owner), _nest(served, [n] * self.world))
-        return batch_sizes, list(zip(ids_out, lens_out, strict=True)), w_out, groups
+        return RoutedIds(sparse.ids, batch_sizes, list(zip(ids_out, lens_out, strict=True)), w_out, groups)
+
+    def use_routed(self, routed: RoutedIds) -> None:
+        """The next forward's batch was distributed ahead (``input_dist``): forward uses ``routed`` once instead
+        of communicating. The main thread hands it over right before that forward."""
+        if self._routed is not None:
+            raise RuntimeError("routed ids handed over twice: the previous batch's were never used by a forward")
+        self._routed = routed
 
     def forward(self, sparse: SparseFeatures) -> torch.Tensor:
         if sparse.num_features != self.num_features:
             raise ValueError(f"got {sparse.num_features} sparse features, collection has {self.num_features}")
         b = sparse.batch_size
-        routed, sparse.routed = sparse.routed, None  # a routed batch is consumed once
-        batch_sizes, pair_data, pair_w, grad_groups = routed if routed is not None else self._input_dist(sparse)
+        routed, self._routed = self._routed, None  # consumed once
+        if routed is None:
+            routed = self.input_dist(sparse)
+        elif routed.ids is not sparse.ids:
+            raise RuntimeError("the routed ids handed over were distributed for another batch than this forward's")
+        batch_sizes, pair_data, pair_w, grad_groups = (routed.batch_sizes, routed.pairs, routed.weights,
+                                                       routed.grad_groups)
         pooled: dict[str, torch.Tensor] = {}
         for key, idxs in self.group_pairs.items():
             ids = torch.cat([pair_data[i][0] for i in idxs])
@@ -310,6 +354,29 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         return [[(f, s.table, s.row0, s.row1, s.col0, s.col1) for f, s in per_rank] for per_rank in self.pairs]
 
     # -- inspection ----------------------------------------------------------------------------------------
+    def local_shards(self) -> list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]]:
+        """(table name, shard, weight view [rows, d], row-wise accumulator view [rows] or None) of every shard
+        this rank holds: the model-parallel ones in group order, then each replicated table as one whole-table
+        shard (table index -1, on this rank). Views: writing into them writes the rows (a checkpoint load)."""
+        out = []
+        for group in self.groups.values():
+            if not isinstance(group, FusedEmbeddingBagCollection):  # views need the rows in one weight tensor
+                raise NotImplementedError(f"local_shards: the rows of a {type(group).__name__} are not tensors")
+            for i, tc in enumerate(group.tables):
+                name, si = tc.name.rsplit(".shard", 1)
+                t = next(j for j, x in enumerate(self.tables) if x.name == name)
+                lo, hi = int(group.table_offsets[i]), int(group.table_offsets[i + 1])
+                acc = group.accumulator[lo:hi] if group.accumulator is not None else None
+                out.append((name, self.shards[t][int(si)], group.weight[lo:hi], acc))
+        if self.replicated is not None:
+            rep = self.replicated
+            for i, tc in enumerate(rep.tables):
+                lo, hi = int(rep.table_offsets[i]), int(rep.table_offsets[i + 1])
+                full = Shard(-1, 0, self.rank, 0, tc.num_embeddings, 0, tc.embedding_dim, "local")
+                acc = rep.accumulator[lo:hi] if rep.accumulator is not None else None
+                out.append((tc.name, full, rep.weight[lo:hi], acc))
+        return out
+
     def table_weight(self, name: str) -> torch.Tensor:
         """The full table, gathered from its shards (a collective: every rank must call it)."""
         t = next(i for i, tc in enumerate(self.tables) if tc.name == name)
@@ -317,11 +384,10 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             return self.replicated.table_weight(name).clone()
         parts = []
         for coll in self.groups.values():
-            for i, tc in enumerate(coll.tables):
+            for tc in coll.tables:
                 if tc.name.startswith(f"{name}.shard"):
                     si = int(tc.name.rsplit("shard", 1)[1])
-                    w = coll.weight[coll.table_offsets[i] : coll.table_offsets[i + 1]]
-                    parts.append((si, w.detach().cpu()))
+                    parts.append((si, coll.table_weight(tc.name).detach().cpu()))
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, parts)
         full = torch.zeros(self.tables[t].num_embeddings, self.embedding_dim)

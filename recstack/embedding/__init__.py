@@ -1,6 +1,7 @@
 """Embedding tables: the collection interface, its single-device fused implementation, sparse optimizers."""
 
-from recstack.embedding.collection import EmbeddingCollection, FusedEmbeddingBagCollection, TableConfig
+from recstack.embedding.collection import EmbeddingCollection, TableConfig
+from recstack.embedding.fused import FusedEmbeddingBagCollection
 from recstack.embedding.sparse_optim import SparseOptimizer, SparseOptimizerConfig
 
 __all__ = [

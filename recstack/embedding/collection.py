@@ -1,6 +1,6 @@
-"""The embedding-collection interface and its single-device implementation.
+"""The embedding-collection interface, the table description and the tables' initial values.
 
-Every collection (this fused one, the sharded ones in ``recstack.distributed``, the tiered ones with caches)
+Every collection (the fused one in ``fused.py``, the sharded ones in ``recstack.distributed``, the tiered ones)
 maps ``SparseFeatures`` (F features, batch B) to pooled embeddings [B, F, D] and updates its own rows during
 backward. Nothing here knows about processes or devices other than its own.
 """
@@ -8,12 +8,11 @@ backward. Nothing here knows about processes or devices other than its own.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from recstack.data.batch import Batch, SparseFeatures
@@ -30,6 +29,11 @@ class TableConfig:
     features: tuple[int, ...]
 
 
+def _generator(table: TableConfig, seed: int, index: int) -> tuple[torch.Generator, float]:
+    """The per-table generator and bound of the DLRM reference init uniform(-1/sqrt(rows), 1/sqrt(rows))."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + index), table.num_embeddings**-0.5
+
+
 def init_table(table: TableConfig, seed: int, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """DLRM reference init, uniform(-1/sqrt(rows), 1/sqrt(rows)), from a generator seeded per table so
     that every placement (one device, sharded, tiered) builds bit-identical rows. -> [rows, dim] (rows may be
@@ -37,9 +41,41 @@ def init_table(table: TableConfig, seed: int, index: int, dtype: torch.dtype = t
     w = torch.empty(table.num_embeddings, table.embedding_dim, dtype=dtype)
     if table.num_embeddings == 0:  # an empty row shard (more row blocks than rows): nothing to draw
         return w
-    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    bound = table.num_embeddings**-0.5
+    g, bound = _generator(table, seed, index)
     return w.uniform_(-bound, bound, generator=g)
+
+
+def init_row_chunks(table: TableConfig, seed: int, index: int, chunk_rows: int, stop: int | None = None
+                ) -> Iterator[torch.Tensor]:
+    """The rows of ``init_table`` [0, ``stop``) (default: all), ``chunk_rows`` at a time: [n, dim] float32 each,
+    bit-identical to the same rows of the whole table without ever holding it. One float32 uniform_ draw
+    takes one 32-bit number from the generator per element, in order, so a draw per chunk consumes the stream
+    exactly as one draw over the whole table does (tests/embedding/test_embedding.py checks it)."""
+    g, bound = _generator(table, seed, index)
+    stop = table.num_embeddings if stop is None else stop
+    for r0 in range(0, stop, chunk_rows):
+        yield torch.empty(min(chunk_rows, stop - r0), table.embedding_dim).uniform_(-bound, bound, generator=g)
+
+
+INIT_CHUNK_BYTES = 8 << 20  # per chunk of a block drawn by ``init_block``
+
+
+def init_block(table: TableConfig, seed: int, index: int, rows: tuple[int, int], cols: tuple[int, int],
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [row0, row1) x columns [col0, col1) of ``init_table`` (a shard's initial values), written into
+    ``out`` [rows, cols] (any device; default a new float32 CPU tensor) chunk by chunk -> ``out``. The rows
+    before ``row0`` are drawn and dropped (the generator cannot skip), so besides ``out`` only one chunk of
+    ``INIT_CHUNK_BYTES`` is held."""
+    (r0, r1), (c0, c1) = rows, cols
+    out = torch.empty(r1 - r0, c1 - c0) if out is None else out
+    chunk_rows = max(1, INIT_CHUNK_BYTES // (4 * max(1, table.embedding_dim)))
+    pos = 0
+    for chunk in init_row_chunks(table, seed, index, chunk_rows, stop=r1):
+        lo, hi = max(pos, r0), pos + chunk.shape[0]
+        if hi > lo:
+            out[lo - r0 : hi - r0] = chunk[lo - pos : hi - pos, c0:c1]
+        pos = hi
+    return out
 
 
 class EmbeddingCollection(nn.Module, abc.ABC):
@@ -106,102 +142,3 @@ class EmbeddingCollection(nn.Module, abc.ABC):
 
     def close(self) -> None:
         """Release what the collection holds besides memory (threads, open files); lookups fail afterwards."""
-
-
-class _FusedLookup(torch.autograd.Function):
-    """Pooled lookup whose backward updates the table in place and returns no weight gradient.
-
-    ``anchor`` is an empty tensor with requires_grad so that autograd calls backward even though the weight
-    itself is not a parameter (it must not be: DDP and the dense optimizer would then see it).
-    """
-
-    @staticmethod
-    def forward(ctx, anchor, module, rows, offsets, per_sample_weights):  # type: ignore[override]
-        out = F.embedding_bag(
-            rows, module.weight, offsets, mode="sum", per_sample_weights=per_sample_weights,
-            include_last_offset=True,
-        )
-        ctx.module = module
-        ctx.save_for_backward(rows, offsets, per_sample_weights)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        rows, offsets, psw = ctx.saved_tensors
-        module: FusedEmbeddingBagCollection = ctx.module
-        # grad_out [bags, D]; each id receives the gradient of the bag it was pooled into.
-        lengths = offsets[1:] - offsets[:-1]
-        if rows.numel() == lengths.numel() and bool((lengths == 1).all()):  # one id per bag: bag i holds id i
-            grads = grad_out
-        else:  # as many ids as bags is not enough: [2, 0, 1, 1] has that too
-            bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths,
-                                          output_size=rows.numel())
-            grads = grad_out.index_select(0, bag)
-        if psw is not None:
-            grads = grads * psw.unsqueeze(1)
-        module.apply_gradients(rows, grads)
-        # None for the anchor: it only exists to get this backward called, nothing reads its gradient.
-        return None, None, None, None, None
-
-
-class FusedEmbeddingBagCollection(EmbeddingCollection):
-    """All tables in one weight [sum(rows), D]; one embedding_bag call for all features.
-
-    Row offsets per table turn a feature's local id into a row of the concatenated weight, so the whole
-    batch is looked up and updated with a constant number of kernels instead of one per table.
-    """
-
-    def __init__(
-        self,
-        tables: list[TableConfig],
-        optimizer: SparseOptimizerConfig,
-        seed: int = 0,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().__init__(tables, optimizer)
-        # On ``device`` like the weight: a collection built after its model was moved there (the sharded
-        # collection's local tables) is never moved, and a CPU feature_offsets fails against CUDA ids.
-        sizes = torch.tensor([t.num_embeddings for t in tables], dtype=torch.int64, device=device)
-        table_offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
-        self.register_buffer("table_offsets", table_offsets, persistent=False)  # [T + 1]
-        self.register_buffer(
-            "feature_offsets", table_offsets[self.feature_table].clone(), persistent=False
-        )  # [F] first row of each feature's table
-        weight = torch.cat([init_table(t, seed, i) for i, t in enumerate(tables)]).to(device)
-        self.register_buffer("weight", weight)  # [R, D]
-        acc = None
-        if self.optimizer.needs_accumulator:
-            acc = torch.full(
-                (weight.shape[0],), optimizer.initial_accumulator_value, dtype=torch.float32, device=device
-            )
-        self.register_buffer("accumulator", acc)  # [R] or None
-        self._anchor = torch.zeros(0, device=device)
-
-    def global_rows(self, sparse: SparseFeatures) -> torch.Tensor:
-        """Local ids [N] (feature-major) -> rows of the concatenated weight [N]."""
-        per_feature = sparse.ids_per_feature  # [F]
-        return sparse.ids + self.feature_offsets.repeat_interleave(per_feature, output_size=sparse.ids.numel())
-
-    def forward(self, sparse: SparseFeatures) -> torch.Tensor:
-        if sparse.num_features != self.num_features:
-            raise ValueError(f"got {sparse.num_features} sparse features, collection has {self.num_features}")
-        rows = self.global_rows(sparse)
-        b, f = sparse.batch_size, sparse.num_features
-        if self.training and torch.is_grad_enabled():
-            anchor = self._anchor.detach().requires_grad_()
-            pooled = _FusedLookup.apply(anchor, self, rows, sparse.offsets, sparse.weights)
-        else:
-            pooled = F.embedding_bag(
-                rows, self.weight, sparse.offsets, mode="sum", per_sample_weights=sparse.weights,
-                include_last_offset=True,
-            )
-        return pooled.view(f, b, self.embedding_dim).transpose(0, 1)  # [F*B, D] -> [B, F, D] (B may be 0)
-
-    def apply_gradients(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        """rows [N] of the concatenated weight (may repeat), grads [N, D]: one optimizer update.
-        Subclasses that must combine gradients across processes first (replicated tables) override this."""
-        self.optimizer.step(self.weight, self.accumulator, rows, grads)
-
-    def table_weight(self, name: str) -> torch.Tensor:
-        i = next(i for i, t in enumerate(self.tables) if t.name == name)
-        return self.weight[self.table_offsets[i] : self.table_offsets[i + 1]]

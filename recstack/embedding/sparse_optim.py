@@ -11,6 +11,7 @@ scaled gradient straight into its row: the same update up to float rounding, sti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,21 @@ class SparseOptimizerConfig:
     def __post_init__(self) -> None:
         if self.kind not in ("sgd", "rowwise_adagrad"):
             raise ValueError(f"sparse optimizer {self.kind!r}: expected sgd or rowwise_adagrad")
+
+
+class SparseOptimFields(Protocol):
+    """The fields of the training section (``[optim]``, ``OptimConfig``) the sparse optimizer reads: a lower
+    layer cannot import that section, it names what it needs."""
+
+    sparse: str
+    sparse_lr: float
+    eps: float
+    adagrad_init: float
+
+
+def sparse_optimizer_config(optim: SparseOptimFields) -> SparseOptimizerConfig:
+    """``[optim]`` -> the embeddings' optimizer (``sparse``, ``sparse_lr``, ``eps``, ``adagrad_init``)."""
+    return SparseOptimizerConfig(optim.sparse, optim.sparse_lr, optim.eps, optim.adagrad_init)
 
 
 def aggregate_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ import torch
 
 from recstack.data.format import PreparedDataset, capped_table_sizes
 from recstack.data.loader import BatchLoader
+from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.exfm.config import NetSpec
 from recstack.exfm.stream import StreamTrainer
 from recstack.exfm.windows import VerticalIndex, Window
@@ -35,7 +36,8 @@ def build_net(spec: NetSpec, ds: PreparedDataset, seed: int, device: torch.devic
     """A DLRM of ``spec`` for ``ds``'s features; dense layers from torch's RNG seeded with ``seed``."""
     seed_everything(seed)
     sizes = capped_table_sizes(ds.table_sizes, spec.model.max_table_size)
-    return build_model(spec.as_config(seed), len(ds.dense_features), sizes, device, ds.table_names)
+    return build_model(spec.model, sparse_optimizer_config(spec.optim), len(ds.dense_features), sizes, seed=seed,
+                       device=device, names=ds.table_names)
 
 
 def table_caps(spec: NetSpec, ds: PreparedDataset) -> torch.Tensor | None:
@@ -68,7 +70,8 @@ def load_snapshot(snap_dir: Path, version: int, device: torch.device | str = "cp
     spec = NetSpec()
     fill(spec, json.loads(state["spec_json"]), f"{snapshot_file(snap_dir, version)}: spec")
     sizes = capped_table_sizes(list(state["table_sizes"]), spec.model.max_table_size)
-    model = build_model(spec.as_config(0), int(state["num_dense"]), sizes, device, list(state["table_names"]))
+    model = build_model(spec.model, sparse_optimizer_config(spec.optim), int(state["num_dense"]), sizes, seed=0,
+                        device=device, names=list(state["table_names"]))
     model.load_state_dict(state["model"])
     return model.eval(), spec
 
@@ -100,7 +103,7 @@ def run_fm_stream(
     out_dir = Path(out_dir)
     snap_dir = out_dir / "snapshots"
     model = build_net(spec, ds, seed, device)
-    optimizer = build_dense_optimizer(spec.as_config(seed), model.dense_parameters())
+    optimizer = build_dense_optimizer(spec.optim, model.dense_parameters())
     caps = table_caps(spec, ds)
     index = VerticalIndex(ds)
 

@@ -1,15 +1,16 @@
-"""Build a DLRM and its optimizers from a Config and the data set's shape."""
+"""Build a DLRM and its dense optimizer from the model's config sections and the data set's shape."""
 
 from __future__ import annotations
 
-from typing import TextIO
+from typing import Protocol, TextIO
 
 import torch
 
-from recstack.config import Config
 from recstack.embedding import EmbeddingCollection, FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
 from recstack.embedding.qr import QRSplit
+from recstack.embedding.tiered.config import MemoryConfig
 from recstack.embedding.tiered.placement import build_collection, memory_budgets_set
+from recstack.models.config import ModelConfig
 from recstack.models.dlrm import DLRM
 
 
@@ -29,40 +30,57 @@ def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = No
     return tables
 
 
-def sparse_optimizer_config(cfg: Config) -> SparseOptimizerConfig:
-    o = cfg.optim
-    return SparseOptimizerConfig(o.sparse, o.sparse_lr, o.eps, o.adagrad_init)
-
-
 def build_model(
-    cfg: Config,
+    model: ModelConfig,
+    sparse_optim: SparseOptimizerConfig,
     num_dense: int,
     table_sizes: list[int],
+    *,
+    seed: int,
     device: torch.device | str = "cpu",
     names: list[str] | None = None,
+    memory: MemoryConfig | None = None,
     log: TextIO | None = None,
+    tables_on_meta: bool = False,
 ) -> DLRM:
     """Dense layers are initialised from torch's global RNG (seeded by the caller), tables from per-table
-    generators (seeded by ``train.seed``), so the same seed gives the same model on any placement. With ``[memory]``
-    budgets the placement of tables over memory tiers is printed to ``log`` (standard output by default)."""
-    tables = table_configs(table_sizes, cfg.model.embedding_dim, names)
-    m = cfg.model
-    qr = QRSplit.build(tables, m.qr_collisions, m.qr_threshold, m.qr_operation)
+    generators seeded by ``seed``, so the same seeds give the same model on any placement. With ``memory``
+    budgets the placement of tables over memory tiers is printed to ``log`` (standard output by default).
+    ``tables_on_meta``: the embedding collection is built on the ``meta`` device, shapes without values, for a
+    model whose tables will be sharded (``recstack.distributed.parallelize.shard_model`` builds the shards);
+    the dense layers are on ``device`` all the same, drawn in the same order."""
+    tables = table_configs(table_sizes, model.embedding_dim, names)
+    qr = QRSplit.build(tables, model.qr_collisions, model.qr_threshold, model.qr_operation)
     if qr is not None:  # the collection holds the quotient and remainder tables
         tables = list(qr.tables)
     emb: EmbeddingCollection
-    if memory_budgets_set(cfg):  # [memory] budgets: tables that do not fit get cached tiers (plan printed)
-        emb = build_collection(cfg, tables, sparse_optimizer_config(cfg), device, log)
+    if memory is not None and memory_budgets_set(memory):  # tables that do not fit get cached tiers (plan printed)
+        emb = build_collection(memory, tables, sparse_optim, seed, device, log)  # (refuses torchrun)
     else:
-        emb = FusedEmbeddingBagCollection(tables, sparse_optimizer_config(cfg), seed=cfg.train.seed, device=device)
-    return DLRM(cfg.model, num_dense, emb, qr).to(device)
+        emb = FusedEmbeddingBagCollection(tables, sparse_optim, seed=seed, device="meta" if tables_on_meta else device)
+    net = DLRM(model, num_dense, emb, qr)
+    for name, child in net.named_children():  # the collection was built where it belongs
+        if name != "embeddings":
+            child.to(device)
+    return net
 
 
-def build_dense_optimizer(cfg: Config, params: list[torch.nn.Parameter] | list[dict]) -> torch.optim.Optimizer:
+class DenseOptimFields(Protocol):
+    """The fields of the training section (``[optim]``, ``OptimConfig``) the dense optimizer reads: a lower
+    layer cannot import that section, it names what it needs."""
+
+    dense: str
+    dense_lr: float
+    eps: float
+    adagrad_init: float
+
+
+def build_dense_optimizer(optim: DenseOptimFields, params: list[torch.nn.Parameter] | list[dict]
+                          ) -> torch.optim.Optimizer:
     """The dense optimizer, with torch's fused kernels (one pass over each parameter for the whole update)
     on CPU and CUDA: for 0.4M DLRM parameters on one core, Adam takes 0.6 ms instead of 2.7 ms a step,
     Adagrad 0.3 ms instead of 1.2 ms, SGD 0.14 ms instead of 0.16 ms."""
-    o = cfg.optim
+    o = optim
     fused = _fusable(params)
     if o.dense == "sgd":
         return torch.optim.SGD(params, lr=o.dense_lr, fused=fused)

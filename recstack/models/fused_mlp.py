@@ -70,27 +70,30 @@ class _FusedMLP(torch.autograd.Function):
         return gx, None, *grads
 
 
-class MLP(nn.Sequential):
-    """Linear layers sizes[0] -> ... -> sizes[-1], ReLU between (and after the last with ``last_activation``).
+def mlp_layers(sizes: list[int], last_activation: bool) -> list[nn.Module]:
+    """Linear layers sizes[0] -> ... -> sizes[-1], ReLU between (and after the last with ``last_activation``),
+    initialised as in the DLRM reference from torch's global RNG, layer by layer:
+    W ~ N(0, sqrt(2 / (fan_in + fan_out))), b ~ N(0, sqrt(1 / fan_out))."""
+    layers: list[nn.Module] = []
+    for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        lin = nn.Linear(m, n)
+        with torch.no_grad():
+            lin.weight.normal_(0.0, math.sqrt(2.0 / (m + n)))
+            lin.bias.normal_(0.0, math.sqrt(1.0 / n))
+        layers.append(lin)
+        if i < len(sizes) - 2 or last_activation:
+            layers.append(nn.ReLU())
+    return layers
 
-    Init as in the DLRM reference: W ~ N(0, sqrt(2 / (fan_in + fan_out))), b ~ N(0, sqrt(1 / fan_out)).
-    Input [B, sizes[0]] -> [B, sizes[-1]].
-    """
+
+class MLP(nn.Sequential):
+    """The layers of ``mlp_layers``; input [B, sizes[0]] -> [B, sizes[-1]]."""
 
     def __init__(self, sizes: list[int], last_activation: bool) -> None:
-        layers: list[nn.Module] = []
-        relu: list[bool] = []
-        for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-            lin = nn.Linear(m, n)
-            with torch.no_grad():
-                lin.weight.normal_(0.0, math.sqrt(2.0 / (m + n)))
-                lin.bias.normal_(0.0, math.sqrt(1.0 / n))
-            layers.append(lin)
-            relu.append(i < len(sizes) - 2 or last_activation)
-            if relu[-1]:
-                layers.append(nn.ReLU())
+        layers = mlp_layers(sizes, last_activation)
         super().__init__(*layers)
-        self._relu = tuple(relu)
+        after = [*layers[1:], None]  # whether a ReLU follows each Linear
+        self._relu = tuple(isinstance(after[i], nn.ReLU) for i, m in enumerate(layers) if isinstance(m, nn.Linear))
         self._num_modules = len(layers)
 
     def _fusable(self, x: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from recstack.config import Config, config_from_dict
 from recstack.data.format import PreparedDataset, capped_table_sizes
 from recstack.data.loader import BatchLoader
+from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
@@ -51,7 +52,9 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
         raise ValueError(f"{where}: not a recstack train checkpoint (no {', '.join(missing)})")
     cfg = config_from_dict(state["config"])
     # Placement notes to stderr: stdout is the JSON of `recstack eval`.
-    model = build_model(cfg, state["num_dense"], state["table_sizes"], device, state.get("table_names"), sys.stderr)
+    model = build_model(cfg.model, sparse_optimizer_config(cfg.optim), state["num_dense"], state["table_sizes"],
+                        seed=cfg.train.seed, device=device, names=state.get("table_names"), memory=cfg.memory,
+                        log=sys.stderr)
     emb = model.embeddings
     if sharded is not None:  # every table put together from its shards, as one process holds it (torchrun
         # refuses [memory] budgets, so this model's tables are all in memory too)

@@ -27,6 +27,8 @@ from recstack.config import Config
 from recstack.data.batch import Batch
 from recstack.data.format import PreparedDataset, capped_table_sizes, layout_difference
 from recstack.data.loader import BatchLoader, LoaderPosition
+from recstack.distributed.pipeline import InputPipeline
+from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.errors import ConfigError
 from recstack.metrics import BinaryMetrics, auc
 from recstack.models.build import build_dense_optimizer, build_model
@@ -208,22 +210,22 @@ class Trainer:
             self.eval_ds, t.eval_batch_size, eval_range, drop_last=False, table_caps=caps,
             extras=("probability",), rank=self.rank, world_size=self.world,
         )
+        # Sharded runs build the tables on "meta" (shapes only); _parallelize builds this rank's shards.
         self.model: DLRM = build_model(
-            cfg, self.num_dense, self.table_sizes, self.device, self.train_ds.table_names
+            cfg.model, sparse_optimizer_config(cfg.optim), self.num_dense, self.table_sizes, seed=t.seed,
+            device=self.device, names=self.train_ds.table_names, memory=cfg.memory, tables_on_meta=self.world > 1,
         )
         self.net: torch.nn.Module = self.model  # what the step calls: the model, or DDP around it
-        split = self.model.split_batch  # ids as the tables read them (quotient-remainder: split by the loader thread)
-        if self.model.qr is not None:
-            self.train_loader.transform = self.eval_loader.transform = split
-        prefetch = self.model.embeddings.next_batch_hook()
-        if prefetch is not None:  # cached embedding tiers: the loader announces batches so rows come in ahead
-            self.train_loader.transform = lambda b: prefetch(split(b))
         self.compression = CompressionRuntime(cfg.compression, cfg.dist.forward_codec, cfg.dist.backward_codec,
                                               cfg.train.batch_size, self.output_dir, self.rank, self.world)
         if self.world > 1:
             self._parallelize()
+        # The loaders' transforms (QR split, tiered prefetch, pipelined input distribution), set once.
+        self.input_pipeline = InputPipeline(self.model, self.device, pipelined=self.world > 1 and cfg.dist.pipeline)
+        self.train_loader.transform = self.input_pipeline.train_transform
+        self.eval_loader.transform = self.input_pipeline.eval_transform
         self.compression.attach(self.model)  # eb codecs learn which table each chunk carries; --dump-a2a hook
-        self.optimizer = build_dense_optimizer(cfg, self.model.dense_parameters())
+        self.optimizer = build_dense_optimizer(cfg.optim, self.model.dense_parameters())
         o = cfg.optim
         schedule = LRSchedule(o.lr_warmup_steps, o.lr_decay_start_step, o.lr_decay_steps)
         self.lr = LRScaler(schedule, self.optimizer, self.model) if schedule.active else None
@@ -249,8 +251,6 @@ class Trainer:
         fwd, bwd = self.compression.codecs()  # names, or configured error-bounded codecs for "eb"
         shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn, d.aggregate_gradients)
         self.net = wrap_ddp(self.model, self.device, self.model.embeddings.stats)
-        if d.pipeline:  # the prefetch thread moves each batch to the device and distributes its ids
-            self.train_loader.transform = pipelined_input(self.model.embeddings, self.model.split_batch, self.device)
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -364,7 +364,8 @@ class Trainer:
         tick = window_t0  # train_seconds counts data wait + steps, not evaluation or checkpoints
         reached: dict[str, float] | None = None  # the evaluation that reached train.target_auc
         while self.step < self.total_steps and reached is None and self.target_step is None:
-            for batch in self.train_loader.iterate_epoch(limit=self.total_steps - self.step):
+            epoch = self.train_loader.iterate_epoch(limit=self.total_steps - self.step)
+            for batch in self.input_pipeline.batches(epoch):
                 self.compression.begin_step(self.step)
                 lr_factor = self.lr.set_step(self.step) if self.lr is not None else None
                 started = time.perf_counter()
@@ -488,17 +489,3 @@ class Trainer:
                                     pipelined=self.cfg.dist.pipeline)
         return out
 
-
-def pipelined_input(embeddings: torch.nn.Module, split: Callable[[Batch], Batch], device: torch.device
-                    ) -> Callable[[Batch], Batch]:
-    """The loader's transform when ``dist.pipeline`` is on: in its prefetch thread, move each batch to the device
-    and send its ids to the ranks that hold their rows (``embeddings.route``)."""
-
-    def transform(batch: Batch) -> Batch:
-        if device.type == "cuda":  # a new thread's current device is cuda:0: without this, rank r's loader
-            torch.cuda.set_device(device)  # thread would make a CUDA context (and allocations) on GPU 0
-        batch = split(batch.to(device))
-        embeddings.route(batch.sparse)
-        return batch
-
-    return transform

@@ -132,7 +132,7 @@ def test_evaluation_passes_are_exact_and_training_passes_compressed():
     from recstack.compression.eb.core import describe
     from recstack.compression.runtime import CompressionRuntime
     from recstack.data.batch import SparseFeatures
-    from recstack.embedding.collection import FusedEmbeddingBagCollection
+    from recstack.embedding.fused import FusedEmbeddingBagCollection
     from recstack.embedding.sparse_optim import SparseOptimizerConfig
 
     cfg = load_config(None, ['dist.forward_codec="eb"', 'dist.backward_codec="fp16"'])
@@ -166,7 +166,7 @@ def test_evaluation_traffic_is_left_out_of_the_eb_metrics(exact: str, monkeypatc
     from recstack.compression.eb import codec as eb_codec
     from recstack.compression.runtime import CompressionRuntime
     from recstack.data.batch import SparseFeatures
-    from recstack.embedding.collection import FusedEmbeddingBagCollection
+    from recstack.embedding.fused import FusedEmbeddingBagCollection
     from recstack.embedding.sparse_optim import SparseOptimizerConfig
 
     # a clock that ticks once per reading: every encode and decode the codec counts takes exactly 1 s

@@ -90,16 +90,25 @@ def test_rng_state_restores_from_a_checkpoint_loaded_onto_the_gpu() -> None:
     assert (*_draws(), float(torch.rand((), device="cuda"))) == want
 
 
-class _Routes(torch.nn.Module):
-    """Records where ``route`` was called: the device of the ids and the thread's current CUDA device."""
+def _recording_pipeline(tmp_path: Path, device: torch.device):  # type: ignore[no-untyped-def]
+    """An InputPipeline over a one-rank sharded collection whose ``input_dist`` records where it was called
+    (the device of the ids, the thread's current CUDA device), and a list of the batches split."""
+    from recstack.distributed.pipeline import InputPipeline
+    from recstack.distributed.sharded_collection import RoutedIds, ShardedEmbeddingCollection
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, int | None]] = []
+    class Recording(ShardedEmbeddingCollection):
+        seen: list[tuple[str, int | None]] = []
 
-    def route(self, sparse: SparseFeatures) -> None:
-        current = torch.cuda.current_device() if torch.cuda.is_available() else None
-        self.seen.append((str(sparse.ids.device), current))
+        def input_dist(self, sparse: SparseFeatures, group: dist.ProcessGroup | None = None) -> RoutedIds:
+            current = torch.cuda.current_device() if torch.cuda.is_available() else None
+            self.seen.append((str(sparse.ids.device), current))
+            return RoutedIds(sparse.ids, [sparse.batch_size], [], [], None)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    emb = Recording(TABLES[:2], SparseOptimizerConfig("sgd"), [("table_wise", [0])] * 2, device="meta")
+    split: list = []
+    model = SimpleNamespace(embeddings=emb, qr=None, split_batch=lambda b: split.append(b) or b)
+    return InputPipeline(model, device, pipelined=True), emb, split  # type: ignore[arg-type]
 
 
 def _in_thread(fn, *args):  # type: ignore[no-untyped-def]
@@ -118,23 +127,30 @@ def _batch():  # type: ignore[no-untyped-def]
     return Batch(torch.zeros(2, 1), SparseFeatures.from_dense_ids(torch.tensor([[1, 2], [0, 1]])), torch.zeros(2))
 
 
-def test_pipelined_input_routes_the_split_batch_on_the_device() -> None:
-    from recstack.training.trainer import pipelined_input
-
-    emb, split = _Routes(), []
-    out = _in_thread(pipelined_input(emb, lambda b: split.append(b) or b, torch.device("meta")), _batch())
-    assert len(split) == 1 and split[0] is out and out.sparse.ids.device.type == "meta"
-    assert [d for d, _ in emb.seen] == ["meta"]
+def test_pipelined_input_routes_the_split_batch_on_the_device(tmp_path: Path) -> None:
+    """The loader thread moves the batch to the device, splits it and distributes its ids there; the main thread
+    hands the routed ids to the collection with the batch, once."""
+    pipe, emb, split = _recording_pipeline(tmp_path, torch.device("meta"))
+    try:
+        out = _in_thread(pipe.train_transform, _batch())
+        assert len(split) == 1 and split[0] is out and out.sparse.ids.device.type == "meta"
+        assert [d for d, _ in emb.seen] == ["meta"]
+        assert list(pipe.batches([out])) == [out] and emb._routed is not None and emb._routed.ids is out.sparse.ids
+        with pytest.raises(RuntimeError, match="without its routed ids"):  # a batch the thread did not route
+            list(pipe.batches([_batch()]))
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_pipelined_input_runs_on_the_ranks_gpu_in_the_loader_thread() -> None:
+def test_pipelined_input_runs_on_the_ranks_gpu_in_the_loader_thread(tmp_path: Path) -> None:
     """Rank 1's loader thread works on cuda:1, not on the thread default cuda:0."""
-    from recstack.training.trainer import pipelined_input
-
-    emb = _Routes()
-    _in_thread(pipelined_input(emb, lambda b: b, torch.device("cuda", 1)), _batch())
-    assert emb.seen == [("cuda:1", 1)]
+    pipe, emb, _ = _recording_pipeline(tmp_path, torch.device("cuda", 1))
+    try:
+        _in_thread(pipe.train_transform, _batch())
+        assert emb.seen == [("cuda:1", 1)]
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

@@ -15,6 +15,7 @@ from recstack.config import load_config
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
 from recstack.distributed.parallelize import all_gather_metrics, shard_model, wrap_ddp
+from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_dense_optimizer, build_model
 
@@ -32,14 +33,16 @@ def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ra
     cfg = _cfg(sparse_opt)
     ds = PreparedDataset(data)
     torch.manual_seed(0)
-    model = build_model(cfg, 13, ds.table_sizes, "cpu", [s.name for s in ds.sparse_features])
+    # sharded: the tables on "meta" and only this rank's shards drawn (the same rows as the whole tables')
+    model = build_model(cfg.model, sparse_optimizer_config(cfg.optim), 13, ds.table_sizes, seed=cfg.train.seed,
+                        names=[s.name for s in ds.sparse_features], tables_on_meta=placements is not None)
     device = torch.device("cpu")
     net = model
     if placements is not None:
         model = shard_model(model, placements, 0, device, ranks_per_node=ranks_per_node,
                             aggregate_gradients=aggregate)
         net = wrap_ddp(model, device)
-    opt = build_dense_optimizer(cfg, model.dense_parameters())
+    opt = build_dense_optimizer(cfg.optim, model.dense_parameters())
     n = len(ds)
     loader = BatchLoader(ds, GLOBAL_BATCH // world, (0, n - 2000), rank=rank, world_size=world, prefetch=0)
     losses, bwd_bytes = [], 0.0
@@ -166,7 +169,7 @@ def _compare_collection(rank: int, world: int, tables, placements, opt: str, per
     """Train a sharded collection and a single-process one on the same global batches (``per_rank[step][r]``
     samples of rank r) with the same upstream gradient; -> every rank's outputs and the final tables of both."""
     from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
-    from recstack.embedding.collection import FusedEmbeddingBagCollection
+    from recstack.embedding.fused import FusedEmbeddingBagCollection
     from recstack.embedding.sparse_optim import SparseOptimizerConfig
 
     cfg = SparseOptimizerConfig(opt, lr=0.1)

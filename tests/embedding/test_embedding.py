@@ -94,6 +94,40 @@ def test_init_is_per_table_and_seeded() -> None:
     assert init_table(t, 0, 2).abs().max() <= 0.1
 
 
+@pytest.mark.parametrize("sharding,k", [("table_wise", 1), ("row_wise", 3), ("row_wise", 4), ("column_wise", 2),
+                                        ("column_wise", 4), ("table_row_wise", 2)])
+@pytest.mark.parametrize("chunk_bytes", [4 * 6 * 7, 4 * 6 * 1000, 1 << 20])  # 7 rows, 1000 rows, the whole table
+def test_shard_blocks_are_the_rows_of_the_whole_table(monkeypatch: pytest.MonkeyPatch, sharding: str, k: int,
+                                                      chunk_bytes: int) -> None:
+    """A shard's initial rows, drawn in row chunks keeping only its rectangle, are bit-identical to the same
+    rectangle of init_table (that is what lets a sharded model build on "meta" and draw only its own shards)."""
+    from recstack.distributed.sharding import shard_blocks
+    from recstack.embedding import collection
+
+    monkeypatch.setattr(collection, "INIT_CHUNK_BYTES", chunk_bytes)
+    t = TableConfig("t", 1001, 8, (0,))  # 1001 rows: row blocks of 251 / 334 / 501, the last one short
+    whole = init_table(t, 5, 3)
+    for r0, r1, c0, c1 in shard_blocks(sharding, t.num_embeddings, t.embedding_dim, k):
+        assert torch.equal(collection.init_block(t, 5, 3, (r0, r1), (c0, c1)), whole[r0:r1, c0:c1])
+        out = torch.full((r1 - r0, c1 - c0), float("nan"))  # a view of a weight, written in place
+        assert collection.init_block(t, 5, 3, (r0, r1), (c0, c1), out=out) is out
+        assert torch.equal(out, whole[r0:r1, c0:c1])
+    assert collection.init_block(t, 5, 3, (1001, 1001), (0, 8)).shape == (0, 8)  # an empty row shard
+    monkeypatch.undo()
+    assert torch.equal(torch.cat(list(collection.init_row_chunks(t, 5, 3, 97))), whole)
+
+
+def test_fused_collection_from_an_init_function_and_on_meta() -> None:
+    """``init`` gives each table's rows; on "meta" the collection has shapes and no values (nothing is drawn)."""
+    tables = [TableConfig("a", 5, 4, (0,)), TableConfig("b", 3, 4, (1,))]
+    given = FusedEmbeddingBagCollection(tables, SparseOptimizerConfig(), init=lambda i, out: out.fill_(float(i)))
+    assert torch.equal(given.weight, torch.cat([torch.zeros(5, 4), torch.ones(3, 4)]))
+    drawn = FusedEmbeddingBagCollection(tables, SparseOptimizerConfig(), seed=7)  # in place, in chunks
+    assert torch.equal(drawn.weight, torch.cat([init_table(t, 7, i) for i, t in enumerate(tables)]))
+    meta = FusedEmbeddingBagCollection(tables, SparseOptimizerConfig(), init=lambda i, out: 1 / 0, device="meta")
+    assert meta.weight.is_meta and tuple(meta.weight.shape) == (8, 4)
+
+
 def test_shared_table_two_features() -> None:
     tables = [TableConfig("shared", 10, 4, (0, 1)), TableConfig("own", 6, 4, (2,))]
     ec = FusedEmbeddingBagCollection(tables, SparseOptimizerConfig("sgd", lr=0.1))

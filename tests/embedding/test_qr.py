@@ -18,6 +18,7 @@ from recstack.config import Config, load_config
 from recstack.data.batch import Batch, SparseFeatures
 from recstack.embedding.collection import TableConfig
 from recstack.embedding.qr import QRSplit
+from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.errors import ConfigError
 from recstack.models.build import build_model
 from recstack.training.trainer import Trainer
@@ -31,7 +32,8 @@ def _model(operation: str = "mult", sizes=(5, 100, 37), names=("a", "b", "c")):
     cfg = Config()
     cfg.model.embedding_dim, cfg.model.bottom_mlp, cfg.model.top_mlp = 4, [8, 4], [8, 1]
     cfg.model.qr_collisions, cfg.model.qr_threshold, cfg.model.qr_operation = 4, 10, operation
-    return build_model(cfg, 3, list(sizes), "cpu", list(names))
+    return build_model(cfg.model, sparse_optimizer_config(cfg.optim), 3, list(sizes), seed=cfg.train.seed,
+                       names=list(names))
 
 
 def _jagged(bags: list[list[list[int]]], weights: bool) -> SparseFeatures:

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recstack.config import Config
 from recstack.data.batch import Batch, SparseFeatures
+from recstack.embedding.sparse_optim import SparseOptimizerConfig
 from recstack.exfm.config import DistillConfig
 from recstack.exfm.stream import StreamTrainer
 from recstack.exfm.vm import FM_LOGIT, StudentAdapter, VerticalModel, forward_flops, parameter_count
@@ -19,15 +19,14 @@ from recstack.exfm.windows import Window
 from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_model
 from recstack.models.config import ModelConfig
-from recstack.training.config import TrainConfig
 
 SIZES = [40, 25, 60]
 
 
 def _body(seed: int = 0):
     torch.manual_seed(seed)
-    cfg = Config(model=ModelConfig(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1]), train=TrainConfig(seed=seed))
-    return build_model(cfg, 3, SIZES)
+    model = ModelConfig(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1])
+    return build_model(model, SparseOptimizerConfig(), 3, SIZES, seed=seed)
 
 
 def _batch(n: int = 32, seed: int = 1) -> Batch:

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
 
-from recstack.models.fused_mlp import MLP, _weight_grad_transposed
+from recstack.models.fused_mlp import MLP, _weight_grad_transposed, mlp_layers
 from recstack.models.interaction import DotInteraction
 
 
 def _plain_mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
     """nn.Sequential with the same layers and init order as MLP, run by autograd."""
-    layers: list[nn.Module] = []
-    for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-        lin = nn.Linear(m, n)
-        with torch.no_grad():
-            lin.weight.normal_(0.0, math.sqrt(2.0 / (m + n)))
-            lin.bias.normal_(0.0, math.sqrt(1.0 / n))
-        layers.append(lin)
-        if i < len(sizes) - 2 or last_activation:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    return nn.Sequential(*mlp_layers(sizes, last_activation))
 
 
 def _pair(sizes: list[int], last: bool, seed: int = 0) -> tuple[MLP, nn.Sequential]:

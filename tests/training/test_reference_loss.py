@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from recstack.config import load_config
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
+from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.models.build import build_dense_optimizer, build_model
 
 REFERENCE = Path(__file__).with_name("reference_loss.json")
@@ -35,8 +36,9 @@ def _losses(data: Path, overrides: list[str], steps: int = 30) -> list[float]:
                              *overrides])
     torch.manual_seed(0)
     ds = PreparedDataset(data)
-    model = build_model(cfg, len(ds.dense_features), ds.table_sizes)
-    opt = build_dense_optimizer(cfg, model.dense_parameters())
+    model = build_model(cfg.model, sparse_optimizer_config(cfg.optim), len(ds.dense_features), ds.table_sizes,
+                        seed=cfg.train.seed)
+    opt = build_dense_optimizer(cfg.optim, model.dense_parameters())
     out = []
     it = BatchLoader(ds, 64, prefetch=0).iterate_epoch()
     for _ in range(steps):

@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from recstack.distributed.planner.types import PlanError, TableSharding, TableSpec, Topology
-from recstack.distributed.sharding import SHARDING_TYPES, row_blocks
+from recstack.distributed.sharding import SHARDING_TYPES, shard_blocks
 
 TERMS = ("input_dist", "lookup", "output_dist", "grad_dist", "backward", "allreduce")
 COMM_TERMS = ("input_dist", "output_dist", "grad_dist", "allreduce")
@@ -172,12 +172,10 @@ class CostModel:
         k = 1 if sharding == "table_wise" else k
         if sharding not in SHARDING_TYPES or k < 1:
             raise PlanError(f"no cost for sharding {sharding!r} over {k} ranks")
-        if sharding == "column_wise":
-            if D % k:
-                raise PlanError(f"table {table.name!r}: dim {D} does not split into {k} column blocks")
-            blocks, cols = [(0, R)] * k, D // k
-        else:
-            blocks, cols = row_blocks(R, k), D
+        if sharding == "column_wise" and D % k:
+            raise PlanError(f"table {table.name!r}: dim {D} does not split into {k} column blocks")
+        rects = shard_blocks(sharding, R, D, k)
+        blocks, cols = [(r0, r1) for r0, r1, _, _ in rects], rects[0][3] - rects[0][2]
         share, touched = row_access(table, blocks, G * P)  # [k], [k]
         rows = np.array([hi - lo for lo, hi in blocks], dtype=np.int64)
         codecs = ((cfg.fwd_comm_bytes, cfg.fwd_row_bytes), (cfg.bwd_comm_bytes, cfg.bwd_row_bytes))

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from recstack.data.batch import Batch, SparseFeatures, feature_bounds
-from recstack.embedding.collection import EmbeddingCollection, TableConfig, _FusedLookup, init_table
+from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_table
+from recstack.embedding.fused import _FusedLookup
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
 from recstack.embedding.tiered.cache import POLICIES, CacheCounters, SetAssociativeCache
 from recstack.embedding.tiered.files import CHUNK_ROWS, TableFilesMixin

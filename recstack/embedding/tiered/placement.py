@@ -23,11 +23,12 @@ from typing import TextIO
 
 import torch
 
-from recstack.config import Config
-from recstack.embedding.collection import EmbeddingCollection, FusedEmbeddingBagCollection, TableConfig
+from recstack.embedding.collection import EmbeddingCollection, TableConfig
+from recstack.embedding.fused import FusedEmbeddingBagCollection
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
 from recstack.embedding.tiered.cache import POLICIES
 from recstack.embedding.tiered.collection import TablePlacement, TieredEmbeddingCollection
+from recstack.embedding.tiered.config import MemoryConfig
 from recstack.embedding.tiered.store import record_width
 from recstack.units import format_bytes, parse_bytes
 
@@ -137,29 +138,29 @@ def format_plan(
     return "\n".join(lines)
 
 
-def memory_budgets_set(cfg: Config) -> bool:
-    return parse_bytes(cfg.memory.device) is not None or parse_bytes(cfg.memory.host) is not None
+def memory_budgets_set(memory: MemoryConfig) -> bool:
+    return parse_bytes(memory.device) is not None or parse_bytes(memory.host) is not None
 
 
 def build_collection(
-    cfg: Config,
+    memory: MemoryConfig,
     tables: list[TableConfig],
     optimizer: SparseOptimizerConfig,
+    seed: int,
     device: torch.device | str = "cpu",
     log: TextIO | None = None,
 ) -> EmbeddingCollection:
     """The embedding collection the ``[memory]`` budgets call for: the fused all-in-memory one when every table
-    fits on the device, a ``TieredEmbeddingCollection`` otherwise. Prints the plan to ``log`` (standard output
-    by default)."""
+    fits on the device, a ``TieredEmbeddingCollection`` otherwise; rows from ``init_table`` with ``seed``.
+    Prints the plan to ``log`` (standard output by default)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("memory budgets (cached embedding tiers) work in a single process only; unset "
                          "memory.device and memory.host under torchrun")
-    mem = cfg.memory
-    dev, host = parse_bytes(mem.device), parse_bytes(mem.host)
-    row_bytes = 4 * record_width(cfg.model.embedding_dim, optimizer.kind == "rowwise_adagrad")
-    placements = plan_placement(tables, row_bytes, dev, host, mem.ssd_dir, mem.cache_policy)
-    print(format_plan(tables, placements, row_bytes, dev, host, mem.ssd_dir), file=log, flush=True)
+    dev, host = parse_bytes(memory.device), parse_bytes(memory.host)
+    row_bytes = 4 * record_width(tables[0].embedding_dim, optimizer.kind == "rowwise_adagrad")
+    placements = plan_placement(tables, row_bytes, dev, host, memory.ssd_dir, memory.cache_policy)
+    print(format_plan(tables, placements, row_bytes, dev, host, memory.ssd_dir), file=log, flush=True)
     if all(p.tier == "device" for p in placements):
-        return FusedEmbeddingBagCollection(tables, optimizer, seed=cfg.train.seed, device=device)
-    return TieredEmbeddingCollection(tables, optimizer, placements, seed=cfg.train.seed, device=device,
-                                     ssd_dir=mem.ssd_dir or None, prefetch=mem.prefetch)
+        return FusedEmbeddingBagCollection(tables, optimizer, seed=seed, device=device)
+    return TieredEmbeddingCollection(tables, optimizer, placements, seed=seed, device=device,
+                                     ssd_dir=memory.ssd_dir or None, prefetch=memory.prefetch)

@@ -32,7 +32,7 @@ from typing import BinaryIO
 
 import torch
 
-from recstack.embedding.collection import TableConfig
+from recstack.embedding.collection import TableConfig, init_row_chunks
 from recstack.io import open_synced
 
 CHUNK_BYTES = 64 << 20  # streaming granularity for init, save and load
@@ -48,20 +48,10 @@ def init_chunks(
 ) -> Iterator[torch.Tensor]:
     """Initial records of a table, ``chunk_rows`` at a time: [n, width] float32 per chunk.
 
-    The weights are bit-identical to ``init_table`` (the same per-table generator, drawn in row order; one
-    uniform_ call per chunk consumes the stream exactly as one call over the whole table does), without
-    ever holding the whole table.
+    The weights are bit-identical to ``init_table`` (``init_row_chunks``), without ever holding the whole table.
     """
-    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    bound = table.num_embeddings**-0.5
-    d = table.embedding_dim
-    for r0 in range(0, table.num_embeddings, chunk_rows):
-        n = min(chunk_rows, table.num_embeddings - r0)
-        w = torch.empty(n, d).uniform_(-bound, bound, generator=g)
-        if width == d:
-            yield w
-        else:
-            yield torch.cat([w, torch.full((n, 1), acc_init)], 1)
+    for w in init_row_chunks(table, seed, index, chunk_rows):
+        yield w if width == table.embedding_dim else torch.cat([w, torch.full((w.shape[0], 1), acc_init)], 1)
 
 
 def _chunk_rows(width: int) -> int:
