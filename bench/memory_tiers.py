@@ -47,8 +47,9 @@ from recstack.embedding import FusedEmbeddingBagCollection  # noqa: E402
 from recstack.embedding.tiered.collection import TablePlacement, TieredEmbeddingCollection  # noqa: E402
 from recstack.embedding.tiered.placement import format_plan, plan_placement  # noqa: E402
 from recstack.embedding.tiered.store import record_width  # noqa: E402
-from recstack.models.build import build_dense_optimizer, sparse_optimizer_config, table_configs  # noqa: E402
+from recstack.models.build import sparse_optimizer_config, table_configs  # noqa: E402
 from recstack.models.dlrm import DLRM  # noqa: E402
+from recstack.training.step import build_dense_optimizer  # noqa: E402
 from recstack.units import format_bytes, parse_bytes  # noqa: E402
 
 NUM_DENSE = 13
@@ -127,7 +128,7 @@ class _Run:
         self.build_seconds = time.perf_counter() - t0
         torch.manual_seed(0)
         self.model = DLRM(cfg.model, NUM_DENSE, self.emb)
-        self.optimizer = build_dense_optimizer(cfg, self.model.dense_parameters())
+        self.optimizer = build_dense_optimizer(cfg.optim, self.model.dense_parameters())
         b = spec["batch"]
         n_steps = spec["warmup"] + spec["window"] * (2 * spec["rounds"] + 2)
         hook = getattr(self.emb, "next_batch_hook", lambda: None)()

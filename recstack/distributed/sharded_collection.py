@@ -309,6 +309,27 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     def wire_layout(self) -> list[list[tuple[int, int, int, int, int, int]]]:
         return [[(f, s.table, s.row0, s.row1, s.col0, s.col1) for f, s in per_rank] for per_rank in self.pairs]
 
+    def local_shards(self) -> list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]]:
+        """(table name, shard, weight view [rows, d], row-wise accumulator view [rows] or None) for every piece
+        of a table this rank holds; a replicated table is one full-table shard. Checkpoints read and fill these
+        views in place."""
+        out = []
+        for group in self.groups.values():
+            for i, tc in enumerate(group.tables):
+                name, si = tc.name.rsplit(".shard", 1)
+                t = next(j for j, x in enumerate(self.tables) if x.name == name)
+                lo, hi = int(group.table_offsets[i]), int(group.table_offsets[i + 1])
+                acc = group.accumulator[lo:hi] if group.accumulator is not None else None
+                out.append((name, self.shards[t][int(si)], group.weight[lo:hi], acc))
+        if self.replicated is not None:
+            rep = self.replicated
+            for i, tc in enumerate(rep.tables):
+                lo, hi = int(rep.table_offsets[i]), int(rep.table_offsets[i + 1])
+                full = Shard(-1, 0, self.rank, 0, tc.num_embeddings, 0, tc.embedding_dim, "local")
+                acc = rep.accumulator[lo:hi] if rep.accumulator is not None else None
+                out.append((tc.name, full, rep.weight[lo:hi], acc))
+        return out
+
     # -- inspection ----------------------------------------------------------------------------------------
     def table_weight(self, name: str) -> torch.Tensor:
         """The full table, gathered from its shards (a collective: every rank must call it)."""

@@ -22,10 +22,10 @@ from recstack.exfm.config import NetSpec
 from recstack.exfm.stream import StreamTrainer
 from recstack.exfm.windows import VerticalIndex, Window
 from recstack.metrics import BinaryMetrics
-from recstack.models.build import build_dense_optimizer, build_model
+from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.single import checkpoint_path, load_checkpoint, save_checkpoint
-from recstack.training.trainer import seed_everything
+from recstack.training.step import build_dense_optimizer, seed_everything
 from recstack.typed_toml import fill
 
 EVAL_BATCH = 4096
@@ -100,7 +100,7 @@ def run_fm_stream(
     out_dir = Path(out_dir)
     snap_dir = out_dir / "snapshots"
     model = build_net(spec, ds, seed, device)
-    optimizer = build_dense_optimizer(spec.as_config(seed), model.dense_parameters())
+    optimizer = build_dense_optimizer(spec.optim, model.dense_parameters())
     caps = table_caps(spec, ds)
     index = VerticalIndex(ds)
 

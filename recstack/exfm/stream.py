@@ -25,9 +25,10 @@ from recstack.data.batch import Batch
 from recstack.exfm.windows import Window
 from recstack.io import json_safe
 from recstack.metrics import BinaryMetrics
-from recstack.training.checkpoint.single import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from recstack.training.checkpoint.single import latest_checkpoint, save_checkpoint
+from recstack.training.checkpoint.state import rng_state, set_rng_state
 from recstack.training.logger import MetricsLogger, read_jsonl
-from recstack.training.trainer import optimizer_step
+from recstack.training.step import optimizer_step
 
 # evaluate(window) -> {group name: accumulated metrics of that window}, e.g. {"serving": ..., "fm": ...}
 Evaluator = Callable[[Window], dict[str, BinaryMetrics]]

@@ -28,8 +28,8 @@ from recstack.exfm.stream import StreamTrainer
 from recstack.exfm.vm import FM_LOGIT, VerticalModel
 from recstack.exfm.windows import VerticalIndex, Window, make_windows, row_batches
 from recstack.metrics import BinaryMetrics
-from recstack.models.build import build_dense_optimizer
 from recstack.training.checkpoint.single import latest_checkpoint
+from recstack.training.step import build_dense_optimizer
 from recstack.typed_toml import fill
 
 EVAL_BATCH = 4096
@@ -127,8 +127,7 @@ def run_vm_stream(job: VMJob, device: torch.device | str = "cpu") -> dict[str, A
         _load_body(model, Path(job.warm_dir))
         if job.distill_head_init == "serving":
             model.init_distill_head_from_serving()
-    cfg = job.vm.as_config(job.seed)
-    optimizer = build_dense_optimizer(cfg, model.dense_param_groups(job.vm.optim.dense_lr))  # type: ignore[arg-type]
+    optimizer = build_dense_optimizer(job.vm.optim, model.dense_param_groups(job.vm.optim.dense_lr))  # type: ignore[arg-type]
     store = DasStore(job.store) if model.needs_fm else None
     if model.needs_fm and not job.store:
         raise ValueError(f"VMJob: arm {arm!r} needs a DAS store")

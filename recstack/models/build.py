@@ -56,24 +56,3 @@ def build_model(
     else:
         emb = FusedEmbeddingBagCollection(tables, sparse_optimizer_config(cfg), seed=cfg.train.seed, device=device)
     return DLRM(cfg.model, num_dense, emb, qr).to(device)
-
-
-def build_dense_optimizer(cfg: Config, params: list[torch.nn.Parameter] | list[dict]) -> torch.optim.Optimizer:
-    """The dense optimizer, with torch's fused kernels (one pass over each parameter for the whole update)
-    on CPU and CUDA: for 0.4M DLRM parameters on one core, Adam takes 0.6 ms instead of 2.7 ms a step,
-    Adagrad 0.3 ms instead of 1.2 ms, SGD 0.14 ms instead of 0.16 ms."""
-    o = cfg.optim
-    fused = _fusable(params)
-    if o.dense == "sgd":
-        return torch.optim.SGD(params, lr=o.dense_lr, fused=fused)
-    if o.dense == "adagrad":
-        return torch.optim.Adagrad(params, lr=o.dense_lr, eps=o.eps, initial_accumulator_value=o.adagrad_init,
-                                   fused=fused)
-    return torch.optim.Adam(params, lr=o.dense_lr, fused=fused)
-
-
-def _fusable(params: list[torch.nn.Parameter] | list[dict]) -> bool | None:
-    """True when every parameter is a floating tensor on CPU or CUDA (what the fused kernels accept)."""
-    flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
-    ok = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in flat)  # type: ignore[union-attr]
-    return True if ok and flat else None

@@ -16,7 +16,8 @@ from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
 from recstack.distributed.parallelize import all_gather_metrics, shard_model, wrap_ddp
 from recstack.metrics import BinaryMetrics
-from recstack.models.build import build_dense_optimizer, build_model
+from recstack.models.build import build_model
+from recstack.training.step import build_dense_optimizer
 
 GLOBAL_BATCH, STEPS, DIM = 64, 50, 8
 
@@ -39,7 +40,7 @@ def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ra
         model = shard_model(model, placements, 0, device, ranks_per_node=ranks_per_node,
                             aggregate_gradients=aggregate)
         net = wrap_ddp(model, device)
-    opt = build_dense_optimizer(cfg, model.dense_parameters())
+    opt = build_dense_optimizer(cfg.optim, model.dense_parameters())
     n = len(ds)
     loader = BatchLoader(ds, GLOBAL_BATCH // world, (0, n - 2000), rank=rank, world_size=world, prefetch=0)
     losses, bwd_bytes = [], 0.0

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from recstack.config import load_config
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
-from recstack.models.build import build_dense_optimizer, build_model
+from recstack.models.build import build_model
+from recstack.training.step import build_dense_optimizer
 
 REFERENCE = Path(__file__).with_name("reference_loss.json")
 CASES = {
@@ -36,7 +37,7 @@ def _losses(data: Path, overrides: list[str], steps: int = 30) -> list[float]:
     torch.manual_seed(0)
     ds = PreparedDataset(data)
     model = build_model(cfg, len(ds.dense_features), ds.table_sizes)
-    opt = build_dense_optimizer(cfg, model.dense_parameters())
+    opt = build_dense_optimizer(cfg.optim, model.dense_parameters())
     out = []
     it = BatchLoader(ds, 64, prefetch=0).iterate_epoch()
     for _ in range(steps):

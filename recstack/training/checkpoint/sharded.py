@@ -43,29 +43,9 @@ def _key(table: str, part: str, r0: int, r1: int, c0: int, c1: int) -> str:
     return f"emb/{table}/{part}/r{r0}-{r1}/c{c0}-{c1}"
 
 
-def _local_shards(coll: ShardedEmbeddingCollection) -> list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]]:
-    """(table name, shard, weight view [rows, d], accumulator view [rows] or None) held by this rank."""
-    out = []
-    for group in coll.groups.values():
-        for i, tc in enumerate(group.tables):
-            name, si = tc.name.rsplit(".shard", 1)
-            t = next(j for j, x in enumerate(coll.tables) if x.name == name)
-            lo, hi = int(group.table_offsets[i]), int(group.table_offsets[i + 1])
-            acc = group.accumulator[lo:hi] if group.accumulator is not None else None
-            out.append((name, coll.shards[t][int(si)], group.weight[lo:hi], acc))
-    if coll.replicated is not None:
-        rep = coll.replicated
-        for i, tc in enumerate(rep.tables):
-            lo, hi = int(rep.table_offsets[i]), int(rep.table_offsets[i + 1])
-            full = Shard(-1, 0, coll.rank, 0, tc.num_embeddings, 0, tc.embedding_dim, "local")
-            acc = rep.accumulator[lo:hi] if rep.accumulator is not None else None
-            out.append((tc.name, full, rep.weight[lo:hi], acc))
-    return out
-
-
 def embedding_state(coll: ShardedEmbeddingCollection) -> dict[str, torch.Tensor]:
     state = {}
-    for name, s, w, acc in _local_shards(coll):
+    for name, s, w, acc in coll.local_shards():
         state[_key(name, "weight", s.row0, s.row1, s.col0, s.col1)] = w
         if acc is not None:
             state[_key(name, "accumulator", s.row0, s.row1, s.col0, s.col1)] = acc
@@ -150,7 +130,7 @@ def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: Ba
         try:
             saved, pieces = _saved_pieces(path)
             check_coverage(coll.tables, _parts(coll.optimizer.needs_accumulator), path, pieces)
-            for name, s, w, acc in _local_shards(coll):
+            for name, s, w, acc in coll.local_shards():
                 for part, target in (("weight", w), ("accumulator", acc)):
                     if target is None:
                         continue
