@@ -106,22 +106,19 @@ class Checkpointer:
         newest valid checkpoint) -> its state with ``path``. A sharded checkpoint's tables are not in it:
         :meth:`gather_tables` puts them there once the model is built."""
         path = Path(checkpoint)
-        sharded: Path | None = None  # a torchrun checkpoint: tables in DCP files, the rest in trainer.pt
-        if (path / SHARDED_STATE_FILE).is_file():
-            sharded = path
-        elif path.is_dir() and not (path / STATE_FILE).is_file():
+        sharded = path  # a torchrun checkpoint: tables in DCP files, the rest in trainer.pt
+        if not (path / SHARDED_STATE_FILE).is_file():
+            if not path.is_dir() or (path / STATE_FILE).is_file():
+                return {**load_checkpoint(path, device), "path": str(path)}
             ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-            state = latest_checkpoint(ckpt_dir, device)
-            if state is None:
-                steps = list_sharded(ckpt_dir)
-                if not steps:
-                    raise FileNotFoundError(f"{path}: no loadable checkpoint")
-                sharded = steps[-1]
-        else:
-            state = {**load_checkpoint(path, device), "path": str(path)}
-        if sharded is not None:
-            state = {**read_trainer_state(sharded, device), "path": str(sharded)}
-        return state
+            state = latest_checkpoint(ckpt_dir, device)  # the newest valid one of one process, else of torchrun
+            if state is not None:
+                return state
+            steps = list_sharded(ckpt_dir)
+            if not steps:
+                raise FileNotFoundError(f"{path}: no loadable checkpoint")
+            sharded = steps[-1]
+        return {**read_trainer_state(sharded, device), "path": str(sharded)}
 
     @staticmethod
     def gather_tables(state: dict[str, Any], embeddings: EmbeddingCollection, device: str | torch.device) -> None:
