@@ -27,6 +27,8 @@ from recstack.data.batch import Batch
 from recstack.data.format import capped_table_sizes
 from recstack.data.loader import BatchLoader
 from recstack.data.sources import prepare_data
+from recstack.distributed import parallelize
+from recstack.errors import PeerFailure
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.checkpointer import Checkpointer
@@ -49,9 +51,7 @@ class Trainer:
         seed_everything(t.seed)
         self.rank, self.world, self.device = 0, 1, resolve_device(t.device)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun
-            from recstack.distributed.parallelize import init_distributed
-
-            self.rank, self.world, self.device = init_distributed(cfg.dist.timeout_s)
+            self.rank, self.world, self.device = parallelize.init_distributed(cfg.dist.timeout_s)
         self.is_main = self.rank == 0
         self.output_dir = Path(output_dir) if output_dir else None
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
@@ -128,14 +128,13 @@ class Trainer:
             self.train_loader.transform = lambda b: prefetch(split(b))
         if self.world == 1:
             return
-        from recstack.distributed.parallelize import placements_from_config, shard_model, wrap_ddp
-
         d = self.cfg.dist
         rpn = d.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        placements = placements_from_config(d, [t.name for t in self.model.embeddings.tables], self.world)
+        placements = parallelize.placements_from_config(d, [t.name for t in self.model.embeddings.tables], self.world)
         fwd, bwd = self.compression.codecs()  # names, or configured error-bounded codecs for "eb"
-        shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn, d.aggregate_gradients)
-        self.net = wrap_ddp(self.model, self.device, self.model.embeddings.stats)
+        parallelize.shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn,
+                                d.aggregate_gradients)
+        self.net = parallelize.wrap_ddp(self.model, self.device, self.model.embeddings.stats)
         if d.pipeline:  # the prefetch thread moves each batch to the device and distributes its ids
             self.train_loader.transform = pipelined_input(self.model.embeddings, self.model.split_batch, self.device)
 
@@ -165,15 +164,11 @@ class Trainer:
         return F.binary_cross_entropy_with_logits(self.net(batch), batch.labels)
 
     def train(self) -> dict[str, Any]:
-        if self.world == 1:
-            return self._train()
+        """-> the summary (``summary.json``). Under torchrun a failed collective is a PeerFailure."""
         try:
             return self._train()
         except (RuntimeError, torch.distributed.DistError) as e:
-            from recstack.distributed.parallelize import is_peer_failure
-            from recstack.errors import PeerFailure
-
-            if not is_peer_failure(e):
+            if self.world == 1 or not parallelize.is_peer_failure(e):
                 raise  # this rank's own error, reported as it is
             raise PeerFailure(
                 f"rank {self.rank}: a collective with the other ranks failed (a rank died, or none answered within "
