@@ -48,8 +48,9 @@ from recstack.embedding.sparse_optim import sparse_optimizer_config  # noqa: E40
 from recstack.embedding.tiered.collection import TablePlacement, TieredEmbeddingCollection  # noqa: E402
 from recstack.embedding.tiered.placement import format_plan, plan_placement  # noqa: E402
 from recstack.embedding.tiered.store import record_width  # noqa: E402
-from recstack.models.build import build_dense_optimizer, table_configs  # noqa: E402
+from recstack.models.build import table_configs  # noqa: E402
 from recstack.models.dlrm import DLRM  # noqa: E402
+from recstack.training.step import build_dense_optimizer  # noqa: E402
 from recstack.units import format_bytes, parse_bytes  # noqa: E402
 
 NUM_DENSE = 13

@@ -23,10 +23,10 @@ from recstack.exfm.config import NetSpec
 from recstack.exfm.stream import StreamTrainer
 from recstack.exfm.windows import VerticalIndex, Window
 from recstack.metrics import BinaryMetrics
-from recstack.models.build import build_dense_optimizer, build_model
+from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.single import checkpoint_path, load_checkpoint, save_checkpoint
-from recstack.training.trainer import seed_everything
+from recstack.training.step import build_dense_optimizer, seed_everything
 from recstack.typed_toml import fill
 
 EVAL_BATCH = 4096

@@ -1,7 +1,7 @@
 """Streaming training: windows in time order, each evaluated before it is trained on, each trained on once.
 
 For window t the ``StreamTrainer`` (1) evaluates the model on window t (progressive validation: the model
-has seen only windows < t), (2) trains one pass over window t with the step shared with ``recstack.training.trainer``,
+has seen only windows < t), (2) trains one pass over window t with the step shared with ``recstack.training.step``,
 (3) runs the end-of-window hook (the FM publishes a snapshot there), (4) writes a checkpoint holding the
 model, the optimizer, the next window, every window's metrics and the running totals. A resumed run starts
 at the window after the newest checkpoint with the state it had then, so an interrupted stream ends in
@@ -25,9 +25,10 @@ from recstack.data.batch import Batch
 from recstack.exfm.windows import Window
 from recstack.io import json_safe
 from recstack.metrics import BinaryMetrics
-from recstack.training.checkpoint.single import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from recstack.training.checkpoint.single import latest_checkpoint, save_checkpoint
+from recstack.training.checkpoint.state import rng_state, set_rng_state
 from recstack.training.logger import MetricsLogger, read_jsonl
-from recstack.training.trainer import optimizer_step
+from recstack.training.step import optimizer_step
 
 # evaluate(window) -> {group name: accumulated metrics of that window}, e.g. {"serving": ..., "fm": ...}
 Evaluator = Callable[[Window], dict[str, BinaryMetrics]]

@@ -28,8 +28,8 @@ from recstack.exfm.stream import StreamTrainer
 from recstack.exfm.vm import FM_LOGIT, VerticalModel
 from recstack.exfm.windows import VerticalIndex, Window, make_windows, row_batches
 from recstack.metrics import BinaryMetrics
-from recstack.models.build import build_dense_optimizer
 from recstack.training.checkpoint.single import latest_checkpoint
+from recstack.training.step import build_dense_optimizer
 from recstack.typed_toml import fill
 
 EVAL_BATCH = 4096

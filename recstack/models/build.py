@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, TextIO
+from typing import TextIO
 
 import torch
 
@@ -64,34 +64,3 @@ def build_model(
             child.to(device)
     return net
 
-
-class DenseOptimFields(Protocol):
-    """The fields of the training section (``[optim]``, ``OptimConfig``) the dense optimizer reads: a lower
-    layer cannot import that section, it names what it needs."""
-
-    dense: str
-    dense_lr: float
-    eps: float
-    adagrad_init: float
-
-
-def build_dense_optimizer(optim: DenseOptimFields, params: list[torch.nn.Parameter] | list[dict]
-                          ) -> torch.optim.Optimizer:
-    """The dense optimizer, with torch's fused kernels (one pass over each parameter for the whole update)
-    on CPU and CUDA: for 0.4M DLRM parameters on one core, Adam takes 0.6 ms instead of 2.7 ms a step,
-    Adagrad 0.3 ms instead of 1.2 ms, SGD 0.14 ms instead of 0.16 ms."""
-    o = optim
-    fused = _fusable(params)
-    if o.dense == "sgd":
-        return torch.optim.SGD(params, lr=o.dense_lr, fused=fused)
-    if o.dense == "adagrad":
-        return torch.optim.Adagrad(params, lr=o.dense_lr, eps=o.eps, initial_accumulator_value=o.adagrad_init,
-                                   fused=fused)
-    return torch.optim.Adam(params, lr=o.dense_lr, fused=fused)
-
-
-def _fusable(params: list[torch.nn.Parameter] | list[dict]) -> bool | None:
-    """True when every parameter is a floating tensor on CPU or CUDA (what the fused kernels accept)."""
-    flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
-    ok = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in flat)  # type: ignore[union-attr]
-    return True if ok and flat else None

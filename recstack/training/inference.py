@@ -12,17 +12,12 @@ from tqdm import tqdm
 from recstack.config import Config, config_from_dict
 from recstack.data.format import PreparedDataset, capped_table_sizes
 from recstack.data.loader import BatchLoader
+from recstack.data.sources import held_out_rows
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
-from recstack.training.checkpoint.sharded import (
-    SHARDED_STATE_FILE,
-    list_sharded,
-    read_full_tables,
-    read_trainer_state,
-)
-from recstack.training.checkpoint.single import STATE_FILE, latest_checkpoint, load_checkpoint
+from recstack.training.checkpoint.checkpointer import Checkpointer
 
 
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tuple[Config, DLRM]:
@@ -30,23 +25,8 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
     ``step_<step>/`` directory of a torchrun run's sharded tables), or a run or checkpoints directory (its newest
     valid checkpoint) -> (config, model) in one process. Notes such as the embedding placement go to stderr, so
     that stdout carries only the caller's results."""
-    path = Path(checkpoint)
-    sharded: Path | None = None  # a torchrun checkpoint: tables in DCP files, the rest in trainer.pt
-    if (path / SHARDED_STATE_FILE).is_file():
-        sharded = path
-    elif path.is_dir() and not (path / STATE_FILE).is_file():
-        ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        state = latest_checkpoint(ckpt_dir, device)
-        if state is None:
-            steps = list_sharded(ckpt_dir)
-            if not steps:
-                raise FileNotFoundError(f"{path}: no loadable checkpoint")
-            sharded = steps[-1]
-    else:
-        state = load_checkpoint(path, device)
-    if sharded is not None:
-        state = {**read_trainer_state(sharded, device), "path": str(sharded)}
-    where = state.get("path", str(path))
+    state = Checkpointer.read(checkpoint, device)
+    where = state["path"]
     missing = [k for k in ("config", "num_dense", "table_sizes", "model") if k not in state]
     if missing:  # e.g. an ExFM stream's checkpoint
         raise ValueError(f"{where}: not a recstack train checkpoint (no {', '.join(missing)})")
@@ -56,12 +36,9 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
                         seed=cfg.train.seed, device=device, names=state.get("table_names"), memory=cfg.memory,
                         log=sys.stderr)
     emb = model.embeddings
-    if sharded is not None:  # every table put together from its shards, as one process holds it (torchrun
-        # refuses [memory] budgets, so this model's tables are all in memory too)
-        weight, acc = read_full_tables(sharded, emb.tables, emb.optimizer.needs_accumulator)
-        state["model"]["embeddings.weight"] = weight.to(device)
-        if acc is not None:
-            state["model"]["embeddings.accumulator"] = acc.to(device)
+    # A sharded checkpoint's tables put together from their shards, as one process holds them (torchrun refuses
+    # [memory] budgets, so this model's tables are all in memory too).
+    Checkpointer.gather_tables(state, emb, device)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:  # missing, unexpected or reshaped
@@ -88,8 +65,6 @@ def evaluation_rows(cfg: Config, checkpoint: str | Path) -> tuple[PreparedDatase
     """The rows the training run evaluated on -> (data set, row range, what they are): ``data.eval`` when it
     was set, else the held-out tail of the training set that the run did not train on (``data.eval_fraction``).
     A ``[data.synth]`` set without ``data.train`` is found in the run directory."""
-    from recstack.training.trainer import held_out_rows
-
     d = cfg.data
     if d.eval:
         ev = PreparedDataset(d.eval)

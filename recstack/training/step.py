@@ -1,8 +1,20 @@
-"""What every training loop shares (the trainer's step moves here with the trainer's restructuring)."""
+"""The training step and what every training loop shares: device, seeding, the dense optimizer, the counters.
+
+Used by ``Trainer`` and by the ExFM streams (``recstack.exfm``), which run their own loops over windows.
+"""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 import torch
+
+from recstack.data.batch import Batch
+from recstack.training.config import OptimConfig
 
 
 def resolve_device(name: str) -> torch.device:
@@ -10,3 +22,65 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    """Python, NumPy and torch global RNGs (the dense layers' initialisation draws from torch's)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_dense_optimizer(optim: OptimConfig, params: list[torch.nn.Parameter] | list[dict]
+                          ) -> torch.optim.Optimizer:
+    """The dense optimizer (``optim.dense``), with torch's fused kernels (one pass over each parameter for the
+    whole update) on CPU and CUDA: for 0.4M DLRM parameters on one core, Adam takes 0.6 ms instead of 2.7 ms a
+    step, Adagrad 0.3 ms instead of 1.2 ms, SGD 0.14 ms instead of 0.16 ms."""
+    fused = _fusable(params)
+    if optim.dense == "sgd":
+        return torch.optim.SGD(params, lr=optim.dense_lr, fused=fused)
+    if optim.dense == "adagrad":
+        return torch.optim.Adagrad(params, lr=optim.dense_lr, eps=optim.eps,
+                                   initial_accumulator_value=optim.adagrad_init, fused=fused)
+    return torch.optim.Adam(params, lr=optim.dense_lr, fused=fused)
+
+
+def _fusable(params: list[torch.nn.Parameter] | list[dict]) -> bool | None:
+    """True when every parameter is a floating tensor on CPU or CUDA (what the fused kernels accept)."""
+    flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
+    ok = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in flat)  # type: ignore[union-attr]
+    return True if ok and flat else None
+
+
+def optimizer_step(
+    loss_fn: Callable[[Batch], torch.Tensor], optimizer: torch.optim.Optimizer, batch: Batch, device: torch.device
+) -> float:
+    """One training step shared by every loop (the Trainer, the ExFM streams): move the batch to the device,
+    compute ``loss_fn(batch)``, backward (which also applies the embedding updates), dense optimizer step.
+    -> the loss as a float."""
+    batch = batch.to(device, non_blocking=True)
+    loss = loss_fn(batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()  # also applies the embedding updates
+    optimizer.step()
+    return loss.item()
+
+
+@dataclass
+class Progress:
+    """How far a run has come; checkpointed (``step`` is written by the checkpointer beside the state, as the
+    file's step)."""
+
+    step: int = 0
+    samples: int = 0  # global: every rank's
+    train_seconds: float = 0.0  # data wait + steps, not evaluation or checkpoints
+    target_step: int | None = None  # the step whose evaluation reached train.target_auc
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples": self.samples, "target_step": self.target_step, "train_seconds": self.train_seconds}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.samples = int(state["samples"])
+        self.target_step = state.get("target_step")  # a run that reached train.target_auc stays finished
+        self.train_seconds = float(state["train_seconds"])

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from recstack.data.batch import SparseFeatures
 from recstack.embedding import FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
-from recstack.training.checkpoint.single import rng_state, set_rng_state
+from recstack.training.checkpoint.state import rng_state, set_rng_state
 
 TABLES = [TableConfig("a", 6, 4, (0,)), TableConfig("b", 3, 4, (1,)), TableConfig("c", 5, 4, (2,))]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -17,7 +17,8 @@ from recstack.data.loader import BatchLoader
 from recstack.distributed.parallelize import all_gather_metrics, shard_model, wrap_ddp
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.metrics import BinaryMetrics
-from recstack.models.build import build_dense_optimizer, build_model
+from recstack.models.build import build_model
+from recstack.training.step import build_dense_optimizer
 
 GLOBAL_BATCH, STEPS, DIM = 64, 50, 8
 

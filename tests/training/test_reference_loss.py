@@ -19,7 +19,8 @@ from recstack.config import load_config
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
 from recstack.embedding.sparse_optim import sparse_optimizer_config
-from recstack.models.build import build_dense_optimizer, build_model
+from recstack.models.build import build_model
+from recstack.training.step import build_dense_optimizer
 
 REFERENCE = Path(__file__).with_name("reference_loss.json")
 CASES = {

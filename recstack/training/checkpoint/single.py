@@ -1,4 +1,4 @@
-"""Atomic single-process checkpoints: model, optimizers, data position, RNG state.
+"""Atomic single-process checkpoints: one ``torch.save`` of a state dict, or a directory with table files.
 
 A checkpoint is written to a temporary file in the same directory, fsynced, then renamed over its final name,
 so a crash mid-write leaves either the previous checkpoints or a stray ``.tmp`` file, never a file that loads
@@ -13,7 +13,6 @@ in chunks) is a directory ``ckpt_<step>/`` holding ``state.pt`` beside those fil
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import warnings
@@ -21,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from recstack.errors import CheckpointError
@@ -147,29 +145,3 @@ def latest_checkpoint(directory: str | Path, map_location: str | torch.device = 
         state["path"] = str(path)
         return state
     return None
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, NumPy legacy and torch (CPU, and CUDA when present) RNG states as weights_only-safe values."""
-    py = random.getstate()
-    np_state = np.random.get_state()
-    out: dict[str, Any] = {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore ``rng_state()``. Its tensors may be on a GPU (a checkpoint loaded with ``map_location`` the
-    training device): numpy reads host memory only, and torch takes generator states as CPU byte tensors."""
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = state["numpy"]
-    np.random.set_state((n[0], n[1].cpu().numpy().astype(np.uint32), *n[2:]))
-    torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

@@ -1,0 +1,148 @@
+"""One Checkpointer over every kind of checkpoint a run writes and reads.
+
+The kind follows from the world size and the embedding collection:
+  - one process, tables in memory: a file ``ckpt_<step>.pt`` (``single.py``);
+  - one process, cached tiers: a directory ``ckpt_<step>/`` with ``state.pt`` beside the collection's table
+    files (``embeddings.checkpoint_files()``);
+  - torchrun: a directory ``step_<step>/`` of DCP files with the embedding shards, ``trainer.pt`` with the
+    replicated state and ``rank_<rank>.pt`` with each rank's own (``sharded.py``).
+The components (``state.py``, ``step.Progress``) give their state the same way; the Checkpointer puts it into
+the checkpoint of the right kind, finds the newest valid one and loads it back (``load_latest``), and reads any
+kind in one process for evaluation (``read``, ``gather_tables``). A run never silently starts over beside the
+other kind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
+from recstack.embedding.collection import EmbeddingCollection
+from recstack.errors import ConfigError
+from recstack.training.checkpoint.sharded import (
+    _STEP_DIR,
+    SHARDED_STATE_FILE,
+    list_sharded,
+    load_sharded,
+    read_full_tables,
+    read_trainer_state,
+    save_sharded,
+)
+from recstack.training.checkpoint.single import (
+    _NAME,
+    STATE_FILE,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from recstack.training.checkpoint.state import Stateful
+
+
+class Checkpointer:
+    """``replicated``: components whose state every rank holds alike (rank 0 writes it); ``rank_local``: each
+    rank's own. Components load in the order given. ``directory`` None: nothing is saved or resumed."""
+
+    def __init__(self, directory: Path | None, embeddings: EmbeddingCollection, world: int, device: torch.device,
+                 replicated: list[Stateful], rank_local: list[Stateful], keep: int = 0) -> None:
+        self.directory, self.embeddings, self.world, self.device = directory, embeddings, world, device
+        self.replicated, self.rank_local, self.keep = replicated, rank_local, keep
+
+    def save(self, step: int) -> Path | None:
+        """Collective under torchrun. -> the checkpoint written (None without a directory)."""
+        if self.directory is None:
+            return None
+        state = _collect(self.replicated)
+        if self.world > 1:
+            coll = cast(ShardedEmbeddingCollection, self.embeddings)
+            return save_sharded(self.directory, step, coll, state, self.keep, rank_state=_collect(self.rank_local))
+        state.update(_collect(self.rank_local))  # one process: its own state is the run's
+        files = self.embeddings.checkpoint_files()  # tables streamed beside the state (cached tiers)
+        return save_checkpoint(self.directory, step, state, keep=self.keep, files=files)
+
+    def load_latest(self) -> dict[str, Any] | None:
+        """Resume: load the newest valid checkpoint of this run's kind into every component -> its state (with
+        ``path``), None when there is none. Collective under torchrun (the shards are read on the way)."""
+        state = self._newest()
+        if state is not None:
+            for component in (*self.replicated, *self.rank_local):
+                component.load_state_dict(state)
+        return state
+
+    def _newest(self) -> dict[str, Any] | None:
+        """The newest valid checkpoint's state. A ConfigError when the newest checkpoint is of the other kind (a
+        single process cannot resume a sharded one, nor torchrun a single-process one)."""
+        if self.directory is None:
+            return None
+        ckpt_dir = self.directory
+        sharded = list_sharded(ckpt_dir)  # step_<step>/, written under torchrun
+        single = list_checkpoints(ckpt_dir)  # ckpt_<step>[.pt], by one process
+        if self.world > 1:
+            if single and (not sharded or _step_of(single[-1]) > _step_of(sharded[-1])):
+                raise ConfigError(
+                    f"resume: the newest checkpoint in {ckpt_dir} is {single[-1].name}, written by a single process "
+                    f"(step {_step_of(single[-1])}); a torchrun run resumes from sharded checkpoints (step_<step>/) "
+                    "only. Resume it with one process (recstack train --resume), or train into another --output-dir"
+                )
+            if not sharded:
+                return None
+            coll = cast(ShardedEmbeddingCollection, self.embeddings)
+            return {**load_sharded(sharded[-1], coll, self.device), "path": str(sharded[-1])}
+        state = latest_checkpoint(ckpt_dir, self.device)
+        if sharded and (state is None or _step_of(sharded[-1]) > int(state["step"])):
+            raise ConfigError(
+                f"resume: the newest checkpoint in {ckpt_dir} is {sharded[-1].name}, a sharded checkpoint written "
+                f"under torchrun (step {_step_of(sharded[-1])}); a single process resumes from its own checkpoints "
+                "(ckpt_<step>.pt) only. Resume it under torchrun, or train into another --output-dir"
+            )
+        return state
+
+    @staticmethod
+    def read(checkpoint: str | Path, device: str | torch.device = "cpu") -> dict[str, Any]:
+        """One process, no process group: a checkpoint of any kind, or a run or checkpoints directory (its
+        newest valid checkpoint) -> its state with ``path``. A sharded checkpoint's tables are not in it:
+        :meth:`gather_tables` puts them there once the model is built."""
+        path = Path(checkpoint)
+        sharded = path  # a torchrun checkpoint: tables in DCP files, the rest in trainer.pt
+        if not (path / SHARDED_STATE_FILE).is_file():
+            if not path.is_dir() or (path / STATE_FILE).is_file():
+                return {**load_checkpoint(path, device), "path": str(path)}
+            ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+            state = latest_checkpoint(ckpt_dir, device)  # the newest valid one of one process, else of torchrun
+            if state is not None:
+                return state
+            steps = list_sharded(ckpt_dir)
+            if not steps:
+                raise FileNotFoundError(f"{path}: no loadable checkpoint")
+            sharded = steps[-1]
+        return {**read_trainer_state(sharded, device), "path": str(sharded)}
+
+    @staticmethod
+    def gather_tables(state: dict[str, Any], embeddings: EmbeddingCollection, device: str | torch.device) -> None:
+        """For a sharded checkpoint read by :meth:`read`: every table put together from its shards into
+        ``state["model"]``, as the single-process ``embeddings`` hold them. Nothing for the other kinds."""
+        path = Path(state["path"])
+        if not (path / SHARDED_STATE_FILE).is_file():
+            return
+        weight, acc = read_full_tables(path, embeddings.tables, embeddings.optimizer.needs_accumulator)
+        state["model"]["embeddings.weight"] = weight.to(device)
+        if acc is not None:
+            state["model"]["embeddings.accumulator"] = acc.to(device)
+
+
+def _collect(components: list[Stateful]) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for component in components:
+        state.update(component.state_dict())
+    return state
+
+
+def _step_of(checkpoint: Path) -> int:
+    """ckpt_<step>.pt, ckpt_<step>/ or step_<step>/ -> step."""
+    m = _NAME.match(checkpoint.name) or _STEP_DIR.match(checkpoint.name)
+    if m is None:
+        raise ValueError(f"{checkpoint}: not a checkpoint name")
+    return int(m.group(1))
