@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import small_config
 
 from recstack.cli.main import main
-from recstack.config import load_config
 from recstack.data.format import PreparedWriter, SparseFeatureSpec
 from recstack.training.trainer import Trainer
 
@@ -43,8 +43,7 @@ def _write(path: Path, rows: int, sizes: list[int], dense: int = 3, names: list[
 
 
 def _cfg(train: Path | None, extra: list[str] = ()):
-    data = [f'data.train="{train}"'] if train else []
-    return load_config(None, [*data, *SMALL, *extra])
+    return small_config(train, extra, base=SMALL)
 
 
 def test_eval_data_with_another_layout_fails_at_start_up(tmp_path: Path) -> None:
