@@ -17,6 +17,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check recstack bench tests
+	$(VENV)/bin/mypy recstack
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)

@@ -110,9 +110,9 @@ def _check_ranges(cfg: Config) -> None:
         "train.seed": (t.seed, 0),
         "dist.ranks_per_node": (d.ranks_per_node, 0),
     }
-    for where, (value, low) in at_least.items():
-        if value < low:
-            raise ConfigError(f"{where}: must be >= {low}, got {value}")
+    for where, (number, low) in at_least.items():
+        if number < low:
+            raise ConfigError(f"{where}: must be >= {low}, got {number}")
     if t.seed > 2**32 - 1:  # numpy's seed range
         raise ConfigError(f"train.seed: must be <= 2**32 - 1, got {t.seed}")
     if t.epochs == 0 and t.max_steps == 0:

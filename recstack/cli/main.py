@@ -42,8 +42,8 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     print(f"evaluating {what}", file=sys.stderr)
     result = evaluate(cfg, model, data, args.batch_size, rows)
     # An undefined metric (AUC of a one-class or empty set) is null: JSON has no NaN.
-    result = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
-    print(json.dumps({**result, "data": str(data.path), "rows": list(rows)}, indent=2, allow_nan=False))
+    safe = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
+    print(json.dumps({**safe, "data": str(data.path), "rows": list(rows)}, indent=2, allow_nan=False))
 
 
 def _cmd_predict(args: argparse.Namespace) -> None:

@@ -105,7 +105,8 @@ def load_table_file(path: str | Path, dim: int | None = None, pooling: float | N
 
 def _element_lines(text: str) -> list[int]:
     """Line of each top-level element of a JSON list (text already parsed once, so it is valid)."""
-    decoder, lines = json.JSONDecoder(), []
+    decoder = json.JSONDecoder()
+    lines: list[int] = []
     i = text.index("[") + 1
     while True:
         while text[i] in " \t\r\n,":
@@ -139,8 +140,8 @@ def build_tables(args: argparse.Namespace) -> list[TableSpec]:
         from recstack.data.format import PreparedDataset
 
         ds = PreparedDataset(args.tables)
-        sizes = dict(zip(ds.table_names, ds.table_sizes, strict=True))
-        specs = [TableSpec(name, rows, dim_or(16), pooling) for name, rows in sizes.items()]
+        table_rows = dict(zip(ds.table_names, ds.table_sizes, strict=True))
+        specs = [TableSpec(name, rows, dim_or(16), pooling) for name, rows in table_rows.items()]
     elif args.tables:
         specs = load_table_file(args.tables, args.dim, args.pooling)
     else:

@@ -40,7 +40,7 @@ class _GatherPieces(torch.autograd.Function):
     every group exactly once, so backward writes each piece's gradient into one uninitialised buffer."""
 
     @staticmethod
-    def forward(ctx, pieces: list[tuple[int, int, int, int]], scale: float,  # type: ignore[override]
+    def forward(ctx, pieces: list[tuple[int, int, int, int]], scale: float,
                 *pooled: torch.Tensor) -> torch.Tensor:
         ctx.pieces, ctx.scale, ctx.shapes = pieces, scale, [p.shape for p in pooled]
         ctx.tiled = sum((r1 - r0) * pooled[g].shape[2] for g, r0, r1, _ in pieces) == sum(p.numel() for p in pooled)
@@ -49,7 +49,7 @@ class _GatherPieces(torch.autograd.Function):
         return torch.cat([pooled[g][r0:r1, s].reshape(-1) for g, r0, r1, s in pieces])
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         make = grad.new_empty if ctx.tiled else grad.new_zeros
         grads = [make(shape) for shape in ctx.shapes]
         pos = 0

@@ -45,6 +45,7 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tu
         state = load_checkpoint(path, device)
     if sharded is not None:
         state = {**read_trainer_state(sharded, device), "path": str(sharded)}
+    assert state is not None  # latest_checkpoint found one, or the sharded state replaced it
     where = state.get("path", str(path))
     missing = [k for k in ("config", "num_dense", "table_sizes", "model") if k not in state]
     if missing:  # e.g. an ExFM stream's checkpoint

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from recstack.training.checkpoint.resume import (
 from recstack.training.checkpoint.single import rng_state, save_checkpoint, set_rng_state
 from recstack.training.logger import MetricsLogger
 from recstack.training.lr_schedule import LRScaler, LRSchedule
+
+if TYPE_CHECKING:
+    from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 
 
 def resolve_device(name: str) -> torch.device:
@@ -252,9 +255,10 @@ class Trainer:
         placements = placements_from_config(d, [t.name for t in self.model.embeddings.tables], self.world)
         fwd, bwd = self.compression.codecs()  # names, or configured error-bounded codecs for "eb"
         shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn, d.aggregate_gradients)
-        self.net = wrap_ddp(self.model, self.device, self.model.embeddings.stats)
+        sharded = cast("ShardedEmbeddingCollection", self.model.embeddings)  # shard_model put it there
+        self.net = wrap_ddp(self.model, self.device, sharded.stats)
         if d.pipeline:  # the prefetch thread moves each batch to the device and distributes its ids
-            self.train_loader.transform = pipelined_input(self.model.embeddings, self.model.split_batch, self.device)
+            self.train_loader.transform = pipelined_input(sharded, self.model.split_batch, self.device)
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -331,7 +335,8 @@ class Trainer:
         if self.world > 1:
             from recstack.training.checkpoint.sharded import save_sharded
 
-            return save_sharded(self.ckpt_dir, self.step, self.model.embeddings, self.state_dict(), keep,
+            sharded = cast("ShardedEmbeddingCollection", self.model.embeddings)
+            return save_sharded(self.ckpt_dir, self.step, sharded, self.state_dict(), keep,
                                 rank_state=self.rank_state_dict())
         files = self.model.embeddings.checkpoint_files()  # tables streamed beside the state (cached tiers)
         return save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), keep=keep, files=files)
@@ -493,7 +498,7 @@ class Trainer:
         return out
 
 
-def pipelined_input(embeddings: torch.nn.Module, split: Callable[[Batch], Batch], device: torch.device
+def pipelined_input(embeddings: ShardedEmbeddingCollection, split: Callable[[Batch], Batch], device: torch.device
                     ) -> Callable[[Batch], Batch]:
     """The loader's transform when ``dist.pipeline`` is on: in its prefetch thread, move each batch to the device
     and send its ids to the ranks that hold their rows (``embeddings.route``)."""

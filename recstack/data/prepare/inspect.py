@@ -271,7 +271,7 @@ def inspect_prepared(path: str | Path, max_table_size: int = 0, embedding_dim: i
                       "raw_mean_std": dense_stats.get(name)})
     caps = capped_table_sizes(ds.table_sizes, max_table_size)
     schema_reader = ds.info.get("reader") == "schema"
-    sparse = []
+    sparse: list[dict[str, Any]] = []
     for s, col, cap in zip(ds.sparse_features, ds.sparse_column, caps, strict=True):
         used = np.zeros(s.num_embeddings, bool) if s.num_embeddings <= 50_000_000 else None
         zeros = bag_total = 0

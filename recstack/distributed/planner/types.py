@@ -331,7 +331,7 @@ def _validate_entry(t: TableSharding, where: str, topo: Topology, rows: int | No
     if not isinstance(t.name, str) or not t.name:
         raise PlanError(f"{where}: field 'name' must be a non-empty string")
     for name, value in (("rows", rows), ("dim", dim)):
-        if (value is not None or estimates) and not (_is_int(value) and value > 0):  # type: ignore[operator]
+        if (value is not None or estimates) and not (_is_int(value) and value > 0):
             raise PlanError(f"{where}: field '{name}' must be a positive integer, got {value!r}")
     if t.sharding not in SHARDING_TYPES:
         raise PlanError(f"{where}: field 'sharding': unknown sharding {t.sharding!r} "

@@ -187,12 +187,17 @@ class SSDStore(RowStore):
         # int32 while every record index fits (a file of at most 2 + compact_ratio tables), else int64
         max_records = int(num_rows * (2 + compact_ratio)) + 1
         self._loc_dtype = torch.int32 if max_records < 2**31 else torch.int64
-        self._file = None
+        self._file: BinaryIO | None = None
         self._reset(self._new_file())
 
     @property
     def rb(self) -> int:
         return 4 * self.width  # bytes per record
+
+    @property
+    def _fd(self) -> int:
+        assert self._file is not None, "the store is closed"
+        return self._file.fileno()
 
     def _new_file(self) -> BinaryIO:
         return tempfile.TemporaryFile(dir=self.directory, prefix="recstack-table-")
@@ -213,7 +218,7 @@ class SSDStore(RowStore):
         loc, order = torch.sort(loc)
         buf = torch.empty(n, self.width)
         view = memoryview(buf.numpy()).cast("B")
-        rb, fd = self.rb, self._file.fileno()
+        rb, fd = self.rb, self._fd
         runs = _runs(loc)
 
         def read_runs(part: list[tuple[int, int, int]]) -> None:
@@ -232,7 +237,7 @@ class SSDStore(RowStore):
         n = ids.numel()
         if n == 0:
             return
-        _pwrite_all(self._file.fileno(), memoryview(records.contiguous().numpy()).cast("B"), self.end * self.rb)
+        _pwrite_all(self._fd, memoryview(records.contiguous().numpy()).cast("B"), self.end * self.rb)
         self.location[ids] = torch.arange(self.end, self.end + n, dtype=self._loc_dtype)
         self.end += n
         if self.end - self.num_rows > self.compact_ratio * self.num_rows:
@@ -258,7 +263,7 @@ class SSDStore(RowStore):
         off = 0
         for c in chunks:
             buf = memoryview(c.contiguous().numpy()).cast("B")
-            _pwrite_all(self._file.fileno(), buf, off)
+            _pwrite_all(self._fd, buf, off)
             off += len(buf)
         self.location = torch.arange(self.num_rows, dtype=self._loc_dtype)
         self.end = self.num_rows
@@ -266,7 +271,7 @@ class SSDStore(RowStore):
     def save(self, path: Path) -> None:
         with open(path, "wb") as f:
             if self.end == self.num_rows and bool((self.location == torch.arange(self.num_rows)).all()):
-                copy_file_range_all(self._file.fileno(), f.fileno(), self.nbytes)  # still in row order
+                copy_file_range_all(self._fd, f.fileno(), self.nbytes)  # still in row order
             else:
                 for c in self._chunks():
                     f.write(memoryview(c.numpy()).cast("B"))

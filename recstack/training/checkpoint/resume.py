@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from recstack.data.loader import BatchLoader, LoaderPosition
+from recstack.embedding.collection import EmbeddingCollection
 from recstack.errors import ConfigError
 from recstack.training.checkpoint.single import _NAME, latest_checkpoint, list_checkpoints
 from recstack.training.logger import METRICS_FILE, TB_DIR
+
+if TYPE_CHECKING:
+    from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 
 # What a run writes into its --output-dir that a later run into the same directory would mix with its own
 # (generated data under data/ is a cache keyed by its options and stays).
@@ -60,7 +64,7 @@ def step_of(checkpoint: Path) -> int:
     return int(m.group(1))
 
 
-def find_resume_state(ckpt_dir: Path | None, world: int, embeddings: torch.nn.Module,
+def find_resume_state(ckpt_dir: Path | None, world: int, embeddings: EmbeddingCollection,
                       device: torch.device) -> dict[str, Any] | None:
     """The newest valid checkpoint's state (with ``path``), None when there is none. Under torchrun the sharded
     tables are loaded into ``embeddings`` on the way. Raises a ConfigError when the newest checkpoint is of the
@@ -78,7 +82,7 @@ def find_resume_state(ckpt_dir: Path | None, world: int, embeddings: torch.nn.Mo
                 f"(step {step_of(single[-1])}); a torchrun run resumes from sharded checkpoints (step_<step>/) "
                 "only. Resume it with one process (recstack train --resume), or train into another --output-dir"
             )
-        state = load_sharded(sharded[-1], embeddings, device) if sharded else None
+        state = load_sharded(sharded[-1], cast("ShardedEmbeddingCollection", embeddings), device) if sharded else None
         if state is not None:
             state["path"] = str(sharded[-1])
         return state
@@ -115,7 +119,7 @@ def rebatched_position(state: dict[str, Any], loader: BatchLoader, shuffle: bool
     return moved
 
 
-def convert_embedding_layout(state: dict[str, Any], embeddings: torch.nn.Module, device: torch.device
+def convert_embedding_layout(state: dict[str, Any], embeddings: EmbeddingCollection, device: torch.device
                              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A single-process checkpoint of the other embedding layout (this run's memory budgets put every table in
     memory where the checkpoint's had cached tiers, or the reverse): all-in-memory tables are filled from the

@@ -19,7 +19,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -152,7 +152,7 @@ def latest_checkpoint(directory: str | Path, map_location: str | torch.device = 
 def rng_state() -> dict[str, Any]:
     """Python, NumPy legacy and torch (CPU, and CUDA when present) RNG states as weights_only-safe values."""
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state())  # legacy=True: the tuple form (stubs: dict | tuple)
     out: dict[str, Any] = {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
