@@ -200,7 +200,7 @@ def parse(message: torch.Tensor, host_views: bool = False) -> tuple[Header, list
         if pos + 4 > n:
             raise EbFormatError(f"eb: section {i} length runs past the end of a {n}-byte message")
         if buf is not None:
-            length = _LENGTH.unpack_from(buf, pos)[0]
+            length = _LENGTH.unpack_from(buf.data, pos)[0]
         else:
             length = struct.unpack("<i", bytes(message[pos : pos + 4].cpu().numpy()))[0]
         pos += 4

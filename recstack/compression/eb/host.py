@@ -199,4 +199,4 @@ def encode_body(codes: np.ndarray, qmin: int, levels: int, pairs_max_escapes: fl
 
 
 def _frame(a: np.ndarray) -> bytes:
-    return pk.zstd_contexts()[0].compress(np.ascontiguousarray(a))
+    return pk.zstd_contexts()[0].compress(np.ascontiguousarray(a).data)

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 
 from recstack.distributed.planner.cost import CostModel
 from recstack.distributed.planner.types import ShardingPlan, TableSpec, format_bytes
+
+T = TypeVar("T")
 
 
 def format_seconds(s: float) -> str:
@@ -41,11 +44,17 @@ def format_ranks(ranks: Sequence[int], world_size: int) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _table(header: Sequence[str], rows: list[Sequence[str]], right: set[int]) -> list[str]:
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]], right: set[int]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     fmt = [(str.rjust if i in right else str.ljust) for i in range(len(header))]
     return ["  ".join(f(str(x), w) for f, x, w in zip(fmt, row, widths, strict=True)).rstrip()
             for row in [header, *rows]]
+
+
+def _known(x: T | None) -> T:
+    """A field that a hand-written plan may leave out and that every plan the planner makes has."""
+    assert x is not None, "the report needs a plan with the planner's estimates"
+    return x
 
 
 def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostModel, top: int = 30) -> str:
@@ -53,10 +62,10 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
     topo, W = plan.topology, plan.world_size
     specs = {t.name: t for t in tables}
     cost = plan.cost
-    params = sum(t.rows * t.dim for t in plan.tables)
+    params = sum(_known(t.rows) * _known(t.dim) for t in plan.tables)
     lines = [
         f"{len(plan.tables)} tables, {format_count(params)} parameters on {W} ranks; batch "
-        f"{plan.batch_size_per_rank} per rank ({plan.batch_size_per_rank * W} global)",
+        f"{plan.batch_size_per_rank} per rank ({_known(plan.batch_size_per_rank) * W} global)",
         f"topology: {topo.describe()}",
         "",
     ]
@@ -65,7 +74,7 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
         per_table.append((float(model.estimate(specs[e.name], e.sharding, len(e.ranks)).cost.max()), e))
     shown = per_table if len(per_table) <= top else sorted(per_table, key=lambda x: -x[0])[:top]
     rows = [(e.name, f"{e.rows:,}", e.dim, e.sharding, format_ranks(e.ranks, W),
-             format_bytes(max(e.memory_bytes_per_rank.values())), format_seconds(c)) for c, e in shown]
+             format_bytes(max(_known(e.memory_bytes_per_rank).values())), format_seconds(c)) for c, e in shown]
     if len(shown) < len(per_table):
         lines.append(f"the {len(shown)} costliest of {len(per_table)} tables:")
     lines += _table(("table", "rows", "dim", "sharding", "ranks", "memory/rank", "cost/rank"), rows, {1, 2, 5, 6})
@@ -73,11 +82,11 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
     by_type: dict[str, list] = {}
     for c, e in per_table:
         by_type.setdefault(e.sharding, []).append((c, e))
-    rows = [(kind, len(group), format_count(sum(e.rows * e.dim for _, e in group)),
-             format_bytes(sum(sum(e.memory_bytes_per_rank.values()) for _, e in group)),
-             f"{Counter(len(e.ranks) for _, e in group).most_common(1)[0][0]}")
-            for kind, group in sorted(by_type.items())]
-    lines += _table(("sharding", "tables", "parameters", "memory (all ranks)", "typical #ranks"), rows, {1, 2, 3, 4})
+    kinds = [(kind, len(group), format_count(sum(_known(e.rows) * _known(e.dim) for _, e in group)),
+              format_bytes(sum(sum(_known(e.memory_bytes_per_rank).values()) for _, e in group)),
+              f"{Counter(len(e.ranks) for _, e in group).most_common(1)[0][0]}")
+             for kind, group in sorted(by_type.items())]
+    lines += _table(("sharding", "tables", "parameters", "memory (all ranks)", "typical #ranks"), kinds, {1, 2, 3, 4})
     lines.append("")
 
     load = np.array(cost["per_rank"])
@@ -99,9 +108,9 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
                         {1, 2, 3, 4, 5})
         ranks = np.argsort(-load, kind="stable")[:5].tolist()
         lines += ["", "slowest ranks:"]
-    rows = [(r, topo.node_of(r), shards[r], format_bytes(hbm[r]), f"{100 * hbm[r] / topo.hbm_bytes:.0f}%",
-             format_seconds(load[r] - comm[r]), format_seconds(comm[r]), format_seconds(load[r])) for r in ranks]
-    lines += _table(("rank", "node", "shards", "memory", "of HBM", "compute", "comm", "cost"), rows,
+    rank_rows = [(r, topo.node_of(r), shards[r], format_bytes(hbm[r]), f"{100 * hbm[r] / topo.hbm_bytes:.0f}%",
+                  format_seconds(load[r] - comm[r]), format_seconds(comm[r]), format_seconds(load[r])) for r in ranks]
+    lines += _table(("rank", "node", "shards", "memory", "of HBM", "compute", "comm", "cost"), rank_rows,
                     {0, 1, 2, 3, 4, 5, 6, 7})
     lines += ["", f"predicted step cost: max {format_seconds(cost['max'])} (rank {int(load.argmax())}), "
                   f"mean {format_seconds(cost['mean'])}, imbalance {cost['imbalance']:.3f} (max / mean)"]

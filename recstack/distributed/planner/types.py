@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeGuard
 
 from recstack.distributed.sharding import SHARDING_TYPES, row_blocks
 
@@ -153,7 +153,7 @@ class TableSharding:
     memory_bytes_per_rank: dict[int, int] | None = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"name": self.name, "rows": self.rows, "dim": self.dim, "sharding": self.sharding,
+        d: dict[str, Any] = {"name": self.name, "rows": self.rows, "dim": self.dim, "sharding": self.sharding,
              "ranks": list(self.ranks)}
         if self.memory_bytes_per_rank is not None:
             d["memory_bytes_per_rank"] = {str(r): int(b) for r, b in self.memory_bytes_per_rank.items()}
@@ -171,7 +171,7 @@ class TableSharding:
         if unknown:
             raise PlanError(f"{where}: unknown field(s) {unknown} (known: {list(_TABLE_FIELDS)})")
         optional = () if estimates else ("rows", "dim", "memory_bytes_per_rank")
-        values = {k: d.get(k) if k in optional else _field(d, k, where) for k in _TABLE_FIELDS[1:]}
+        values: dict[str, Any] = {k: d.get(k) if k in optional else _field(d, k, where) for k in _TABLE_FIELDS[1:]}
         if not isinstance(values["ranks"], list):
             raise PlanError(f"{where}: field 'ranks' must be a list of ranks, got {values['ranks']!r}")
         memory = values["memory_bytes_per_rank"]
@@ -204,7 +204,7 @@ def _field(d: dict[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

@@ -153,7 +153,7 @@ class HostStore(RowStore):
         step = _chunk_rows(self.width)
         with open(path, "wb") as f:
             for r in range(0, self.num_rows, step):
-                f.write(memoryview(self.data[r : r + step].numpy()))
+                f.write(self.data[r : r + step].numpy().data)
             f.flush()
             os.fsync(f.fileno())
 
@@ -162,7 +162,7 @@ class HostStore(RowStore):
         step = _chunk_rows(self.width)
         with open(path, "rb") as f:
             for r in range(0, self.num_rows, step):
-                view = memoryview(self.data[r : r + step].numpy()).cast("B")
+                view = self.data[r : r + step].numpy().data.cast("B")
                 if f.readinto(view) != len(view):
                     raise ValueError(f"{path}: truncated at row {r}")
 
@@ -217,7 +217,7 @@ class SSDStore(RowStore):
         loc = self.location[ids].to(torch.int64)
         loc, order = torch.sort(loc)
         buf = torch.empty(n, self.width)
-        view = memoryview(buf.numpy()).cast("B")
+        view = buf.numpy().data.cast("B")
         rb, fd = self.rb, self._fd
         runs = _runs(loc)
 
@@ -237,7 +237,7 @@ class SSDStore(RowStore):
         n = ids.numel()
         if n == 0:
             return
-        _pwrite_all(self._fd, memoryview(records.contiguous().numpy()).cast("B"), self.end * self.rb)
+        _pwrite_all(self._fd, records.contiguous().numpy().data.cast("B"), self.end * self.rb)
         self.location[ids] = torch.arange(self.end, self.end + n, dtype=self._loc_dtype)
         self.end += n
         if self.end - self.num_rows > self.compact_ratio * self.num_rows:
@@ -254,7 +254,7 @@ class SSDStore(RowStore):
         new = self._new_file()
         off = 0
         for c in self._chunks():
-            _pwrite_all(new.fileno(), memoryview(c.numpy()).cast("B"), off)
+            _pwrite_all(new.fileno(), c.numpy().data.cast("B"), off)
             off += c.numel() * 4
         self._reset(new)
         self.compactions += 1
@@ -262,7 +262,7 @@ class SSDStore(RowStore):
     def fill(self, chunks: Iterator[torch.Tensor]) -> None:
         off = 0
         for c in chunks:
-            buf = memoryview(c.contiguous().numpy()).cast("B")
+            buf = c.contiguous().numpy().data.cast("B")
             _pwrite_all(self._fd, buf, off)
             off += len(buf)
         self.location = torch.arange(self.num_rows, dtype=self._loc_dtype)
@@ -274,7 +274,7 @@ class SSDStore(RowStore):
                 copy_file_range_all(self._fd, f.fileno(), self.nbytes)  # still in row order
             else:
                 for c in self._chunks():
-                    f.write(memoryview(c.numpy()).cast("B"))
+                    f.write(c.numpy().data.cast("B"))
             f.flush()
             os.fsync(f.fileno())
 

@@ -46,7 +46,7 @@ def _key(table: str, part: str, r0: int, r1: int, c0: int, c1: int) -> str:
 def _local_shards(coll: ShardedEmbeddingCollection) -> list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]]:
     """(table name, shard, weight view [rows, d], accumulator view [rows] or None) held by this rank."""
     out = []
-    for group in coll.groups.values():
+    for group in coll.local_collections():
         for i, tc in enumerate(group.tables):
             name, si = tc.name.rsplit(".shard", 1)
             t = next(j for j, x in enumerate(coll.tables) if x.name == name)
