@@ -44,4 +44,4 @@ bench-dist: $(BENCH_STAMP)
 	$(BENCH_PY) bench/dist_throughput.py --out bench/results/dist_throughput.json $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache .mypy_cache

@@ -45,7 +45,7 @@ def module_group(path: str) -> str | None:
     return MODULES.get(parts[0].removesuffix(".py"))
 
 
-def target_group(target: str) -> str | None:
+def target_group(target: str) -> str:
     """The group a dotted name inside recstack belongs to: ``recstack.models.build`` -> models; a bare
     ``recstack`` or a name defined in ``recstack/__init__.py`` (``recstack.__version__``) -> base."""
     parts = target.split(".")
@@ -93,7 +93,7 @@ def layer_violations(sources: dict[str, str]) -> list[str]:
             continue
         for imp in imports(path, source):
             target = target_group(imp.target)
-            if target is None or target == group:
+            if target == group:
                 continue
             edges.setdefault((group, target), []).append(imp)
             if LEVEL[target] >= LEVEL[group]:
