@@ -18,8 +18,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
 from recstack.config import Config, load_config
+from recstack.data.batch import Batch
 from recstack.data.format import PreparedWriter, SparseFeatureSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,6 +170,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def train_step(net: torch.nn.Module, opt: torch.optim.Optimizer, batch: Batch) -> torch.Tensor:
+    """One hand-written training step (no Trainer): the logloss of ``net(batch)``, backward (the embeddings
+    update themselves in it), the dense optimizer's step -> the loss, detached."""
+    loss = F.binary_cross_entropy_with_logits(net(batch), batch.labels)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
 
 
 def small_config(data: Path | None, extra: Iterable[str] = (), base: Iterable[str] = SMALL) -> Config:
