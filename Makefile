@@ -17,6 +17,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check recstack bench tests
+	$(VENV)/bin/mypy recstack
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
@@ -43,4 +44,4 @@ bench-dist: $(BENCH_STAMP)
 	$(BENCH_PY) bench/dist_throughput.py --out bench/results/dist_throughput.json $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache .mypy_cache

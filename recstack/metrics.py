@@ -299,7 +299,7 @@ def streaming_auc(scores: np.ndarray, labels: np.ndarray, block_rows: int = 1 <<
         group = mixed[g : g + group_bins]
         slot = np.full(1 << 16, -1, dtype=np.int64)
         slot[group] = np.arange(len(group))
-        fpos = np.zeros(len(group) << 16, dtype=np.int64)
+        fpos: np.ndarray = np.zeros(len(group) << 16, dtype=np.int64)  # [G << 16], then [G, 1 << 16]
         fneg = np.zeros_like(fpos)
         for bits, y in blocks():
             s = slot[bits >> 16]

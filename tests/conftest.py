@@ -1,20 +1,48 @@
-"""Shared fixtures: a small prepared data set with a learnable click signal, and the real Criteo samples; the
-torchrun command the distributed tests start."""
+"""Shared fixtures and helpers: a small prepared data set with a learnable click signal and the real Criteo
+samples; a small model and a short training run on them (in process, or as a `recstack` command line, also under
+torchrun); a training run killed after its N-th checkpoint; a free TCP port."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
+from recstack.config import Config, load_config
+from recstack.data.batch import Batch
 from recstack.data.format import PreparedWriter, SparseFeatureSpec
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 if str(REPO) not in sys.path:  # the tests of bench/ scripts import them as ``bench.<script>``
     sys.path.insert(0, str(REPO))
+
+
+RECSTACK = [sys.executable, "-m", "recstack"]  # `recstack` as a user runs it, in this interpreter
+# A small model and single-threaded steps: what the training tests on the tiny data set start from.
+SMALL = [
+    "model.embedding_dim=8",
+    "model.bottom_mlp=[32, 8]",
+    "model.top_mlp=[32, 1]",
+    "train.batch_size=64",
+    "train.threads=1",
+    "train.progress=false",
+    'optim.sparse="rowwise_adagrad"',
+]
+_CHECKPOINT = re.compile(r"^(ckpt|step)_\d{9}(\.pt)?$")  # single-process files/directories, sharded directories
 
 
 def torchrun(n: int = 2, *options: str) -> list[str]:
@@ -73,3 +101,95 @@ def _stop_at(trainer, step: int) -> None:
 def stop_at():
     """``stop_at(trainer, step)``: train until ``step`` steps are done, then stop between two steps."""
     return _stop_at
+
+
+def set_options(options: Iterable[str]) -> list[str]:
+    """``--set O`` for every config override ``O``."""
+    return [arg for o in options for arg in ("--set", o)]
+
+
+def train_args(out: Path, data: Path | None, options: Iterable[str] = (), *flags: str) -> list[str]:
+    """The arguments of ``recstack train`` into ``out`` on the prepared set ``data`` (None: the config's own, such
+    as data.synth) with the overrides ``options`` and further ``flags`` (``--resume``, ``--overwrite``)."""
+    data_option = [f'data.train="{data}"'] if data is not None else []
+    return ["train", "--output-dir", str(out), *set_options([*data_option, *options]), *flags]
+
+
+def run_cli(args: list[str], *, launcher: list[str] = RECSTACK, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``recstack ARGS`` in a subprocess (``launcher``: how, such as ``torchrun(2)``; ``env``: its environment,
+    default this one) -> the finished process, its stdout and stderr captured as text."""
+    return subprocess.run([*launcher, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(args: list[str], *, launcher: list[str] = RECSTACK,
+              env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``recstack ARGS`` in the background: stdout discarded, stderr piped as text."""
+    return subprocess.Popen([*launcher, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def cli_train(out: Path, data: Path | None, options: Iterable[str] = (), *flags: str,
+              launcher: list[str] = RECSTACK, timeout: float = 300, log: list[str] | None = None) -> dict[str, Any]:
+    """A ``recstack train`` run (see ``train_args``) that must succeed -> its summary.json (its stdout is appended
+    to ``log`` when given)."""
+    res = run_cli(train_args(out, data, options, *flags), launcher=launcher, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    if log is not None:
+        log.append(res.stdout)
+    return json.loads((out / "summary.json").read_text())
+
+
+def count_checkpoints(directory: Path) -> int:
+    """Complete checkpoints in ``directory`` (ckpt_<step>.pt, ckpt_<step>/, step_<step>/; never a .tmp)."""
+    return sum(bool(_CHECKPOINT.match(p.name)) for p in directory.iterdir()) if directory.is_dir() else 0
+
+
+def kill_after_checkpoints(args: list[str], ckpt_dir: Path, n: int, *, launcher: list[str] = RECSTACK,
+                           worker: bool = False, timeout: float = 120) -> subprocess.Popen[str]:
+    """Start ``recstack ARGS`` (as ``start_cli``), wait until ``ckpt_dir`` holds ``n`` checkpoints (or the process
+    ends, or ``timeout`` seconds pass) and SIGKILL it -> the process, ended (its returncode is -SIGKILL unless it
+    finished first). ``worker``: kill the newest child process instead (a torchrun worker, its agent living on:
+    the process returned is then still running)."""
+    proc = start_cli(args, launcher=launcher)
+    deadline = time.time() + timeout
+    while count_checkpoints(ckpt_dir) < n and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    if worker:
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert workers and proc.poll() is None, "training ended before a worker could be killed"
+        os.kill(int(workers[-1]), signal.SIGKILL)
+        return proc
+    proc.send_signal(signal.SIGKILL)  # nothing is sent to a process that already ended
+    proc.communicate()
+    return proc
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_step(net: torch.nn.Module, opt: torch.optim.Optimizer, batch: Batch) -> torch.Tensor:
+    """One hand-written training step (no Trainer): the logloss of ``net(batch)``, backward (the embeddings
+    update themselves in it), the dense optimizer's step -> the loss, detached."""
+    loss = F.binary_cross_entropy_with_logits(net(batch), batch.labels)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def small_config(data: Path | None, extra: Iterable[str] = (), base: Iterable[str] = SMALL) -> Config:
+    """The config of a run on ``data`` (None: no data.train) with the overrides ``base`` then ``extra``."""
+    data_option = [f'data.train="{data}"'] if data is not None else []
+    return load_config(None, [*data_option, *base, *extra])
+
+
+def train_steps(data: Path, out: Path | None, extra: Iterable[str] = (), base: Iterable[str] = SMALL) -> dict[str, Any]:
+    """A short training run in this process (``extra`` says how short: train.max_steps=...) -> its summary."""
+    from recstack.training.trainer import Trainer  # here: collecting the tests of lower layers needs no trainer
+
+    return Trainer(small_config(data, extra, base), out).train()

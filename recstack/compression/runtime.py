@@ -28,6 +28,7 @@ from recstack.compression.base import ChunkKey
 from recstack.compression.config import CompressionConfig
 from recstack.compression.eb.bounds import DualLevelBound
 from recstack.compression.eb.codec import EbCodec
+from recstack.embedding.collection import EmbeddingCollection
 
 
 def chunk_table_map(wire: list[list[tuple[int, int, int, int, int, int]]]) -> Callable[[ChunkKey], int | None]:
@@ -79,6 +80,7 @@ class CompressionRuntime:
         """After the model is built (and sharded): bind table maps and bound policies, write
         ``compression.json`` (rank 0), and hook payload capture."""
         emb = model.embeddings
+        assert isinstance(emb, EmbeddingCollection)
         tables = [(t.name, t.num_embeddings) for t in emb.tables]
         wire = emb.wire_layout()  # per owner rank: (feature, table, row0, row1, col0, col1) of each chunk
         table_of = chunk_table_map(wire) if wire is not None else None

@@ -410,7 +410,7 @@ class PreparedDataset:
             if col is not None:
                 ids.append(single[:, col])
                 n = np.ones(b, np.int64)
-                w = np.ones(b, np.float32)
+                w: np.ndarray = np.ones(b, np.float32)
             else:
                 n, pos = self._bag_positions(s.name, rows, b)
                 bag_ids = np.asarray(self.arrays[f"{s.name}.values"][pos], dtype=np.int64)

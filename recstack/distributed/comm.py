@@ -191,12 +191,12 @@ class PooledExchange:
 
 class _PooledAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, send_flat: torch.Tensor, ex: PooledExchange) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, send_flat: torch.Tensor, ex: PooledExchange) -> torch.Tensor:
         ctx.ex = ex
         return ex.exchange(send_flat, ex.send_shapes, ex.recv_shapes, ex.fwd, "fwd_a2a")
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         ex: PooledExchange = ctx.ex
         if ex.grad_groups is None:
             return ex.exchange(grad.contiguous(), ex.recv_shapes, ex.send_shapes, ex.bwd, "bwd_a2a"), None

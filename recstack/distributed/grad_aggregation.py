@@ -107,7 +107,8 @@ def aggregate_flat(flat: torch.Tensor, shapes: list[tuple[int, int]], groups: li
     if len(widths) != 1 or not shapes:
         chunks = list(torch.split(flat, [n * d for n, d in shapes]))
         sums = aggregate([c.view(n, d) for c, (n, d) in zip(chunks, shapes, strict=True)], groups)
-        return (torch.cat([x.reshape(-1) for x in sums]) if sums else flat[:0]), [tuple(x.shape) for x in sums]
+        sent = torch.cat([x.reshape(-1) for x in sums]) if sums else flat[:0]
+        return sent, [(x.shape[0], x.shape[1]) for x in sums]
     d = widths.pop()
     index, out_shapes, total = [], [], 0
     for (n, _), g in zip(shapes, groups, strict=True):
@@ -169,9 +170,9 @@ def aggregate(grads: list[torch.Tensor], groups: list[SendGroups | None]) -> lis
     device); pieces without groups are returned as they are."""
     out = list(grads)
     for ks in _by_shape(grads, groups).values():
+        gs = [g for k in ks if (g := groups[k]) is not None]  # all of them: _by_shape lists grouped pieces
         rows, values, offset = [], [], 0
-        for k in ks:
-            g = groups[k]
+        for k, g in zip(ks, gs, strict=True):
             present = g.group >= 0
             rows.append(g.group[present] + offset)
             values.append(grads[k][present])
@@ -179,7 +180,7 @@ def aggregate(grads: list[torch.Tensor], groups: list[SendGroups | None]) -> lis
         uniq, sums = aggregate_rows(torch.cat(rows), torch.cat(values))
         if uniq.numel() != offset:  # every group has a sample by construction
             raise RuntimeError(f"gradient aggregation: {uniq.numel()} groups, expected {offset}")
-        for k, part in zip(ks, torch.split(sums, [groups[k].count for k in ks]), strict=True):
+        for k, part in zip(ks, torch.split(sums, [g.count for g in gs]), strict=True):
             out[k] = part
     return out
 
@@ -188,12 +189,13 @@ def expand(sums: list[torch.Tensor], groups: list[ReceiveGroups | None]) -> list
     """Per piece [U, d] -> [B, d]: each sum on its id's first sample, zeros elsewhere."""
     out = list(sums)
     for ks in _by_shape(sums, groups).values():
-        sizes = [groups[k].batch for k in ks]
+        gs = [g for k in ks if (g := groups[k]) is not None]  # all of them: _by_shape lists grouped pieces
+        sizes = [g.batch for g in gs]
         full = sums[ks[0]].new_zeros(sum(sizes), sums[ks[0]].shape[1])
         starts = [0]
         for n in sizes[:-1]:
             starts.append(starts[-1] + n)
-        full[torch.cat([groups[k].first + s for k, s in zip(ks, starts, strict=True)])] = torch.cat(
+        full[torch.cat([g.first + s for g, s in zip(gs, starts, strict=True)])] = torch.cat(
             [sums[k] for k in ks])
         for k, part in zip(ks, torch.split(full, sizes), strict=True):
             out[k] = part

@@ -76,7 +76,7 @@ class _GatherPieces(torch.autograd.Function):
     every group exactly once, so backward writes each piece's gradient into one uninitialised buffer."""
 
     @staticmethod
-    def forward(ctx, pieces: list[tuple[int, int, int, int]], scale: float,  # type: ignore[override]
+    def forward(ctx, pieces: list[tuple[int, int, int, int]], scale: float,
                 *pooled: torch.Tensor) -> torch.Tensor:
         ctx.pieces, ctx.scale, ctx.shapes = pieces, scale, [p.shape for p in pooled]
         ctx.tiled = sum((r1 - r0) * pooled[g].shape[2] for g, r0, r1, _ in pieces) == sum(p.numel() for p in pooled)
@@ -85,7 +85,7 @@ class _GatherPieces(torch.autograd.Function):
         return torch.cat([pooled[g][r0:r1, s].reshape(-1) for g, r0, r1, s in pieces])
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         make = grad.new_empty if ctx.tiled else grad.new_zeros
         grads = [make(shape) for shape in ctx.shapes]
         pos = 0
@@ -198,7 +198,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 self.pair_slot[i] = (key, local_f)
         dp_tables = [t for t, kind in enumerate(self.sharding) if kind == "data_parallel"]
         self.dp_features = [f for f, t in enumerate(self.feature_table) if t in dp_tables]
-        self.replicated = None
+        self.replicated: ReplicatedEmbeddingBagCollection | None = None
         if dp_tables:
             remap = {f: i for i, f in enumerate(self.dp_features)}
             cfgs = [TableConfig(self.tables[t].name, self.tables[t].num_embeddings, self.embedding_dim,
@@ -210,6 +210,11 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
             self.replicated = ReplicatedEmbeddingBagCollection(cfgs, self.optimizer.config, whole, self.device,
                                                                self.dp_group, self.stats)
+
+    def local_collections(self) -> list[FusedEmbeddingBagCollection]:
+        """This rank's local tables: one collection per shard dim (``self.groups``; an nn.ModuleDict, whose values
+        torch types as Module)."""
+        return [cast(FusedEmbeddingBagCollection, c) for c in self.groups.values()]
 
     # -- forward -----------------------------------------------------------------------------------------
     def input_dist(self, sparse: SparseFeatures, group: dist.ProcessGroup | None = None) -> RoutedIds:
@@ -250,19 +255,19 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         pair_lens: list[list[torch.Tensor]] = [[] for _ in range(n)]
         pair_w: list[list[torch.Tensor]] = [[] for _ in range(n)]
         for r, m in enumerate(recv):
-            br = batch_sizes[r]
-            lens = m[1 : 1 + n * br].view(n, br)
-            counts = lens.sum(1).tolist()
-            ids = torch.split(m[1 + n * br :], counts)
-            ws = torch.split(recv_w[r], counts) if recv_w[r] is not None else None
+            br, wr = batch_sizes[r], recv_w[r]
+            got_lens = m[1 : 1 + n * br].view(n, br)
+            counts = got_lens.sum(1).tolist()
+            got_ids = torch.split(m[1 + n * br :], counts)
+            got_w = torch.split(wr, counts) if wr is not None else None
             for p in range(n):
-                pair_lens[p].append(lens[p])
-                pair_ids[p].append(ids[p])
-                if ws is not None:
-                    pair_w[p].append(ws[p])
+                pair_lens[p].append(got_lens[p])
+                pair_ids[p].append(got_ids[p])
+                if got_w is not None:
+                    pair_w[p].append(got_w[p])
         ids_out = [torch.cat(x) if x else torch.zeros(0, dtype=torch.int64) for x in pair_ids]
         lens_out = [torch.cat(x) if x else torch.zeros(0, dtype=torch.int64) for x in pair_lens]
-        w_out = [torch.cat(x) for x in pair_w] if sparse.weights is not None else [None] * n
+        w_out: list[torch.Tensor | None] = [torch.cat(x) for x in pair_w] if sparse.weights is not None else [None] * n
         groups = None
         # Grouping is skipped under no_grad (evaluation), never by self.training: the loader thread may route a
         # training batch while the main thread evaluates, and every rank must group the same batches.
@@ -298,7 +303,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             ids = torch.cat([pair_data[i][0] for i in idxs])
             lens = torch.cat([pair_data[i][1] for i in idxs])
             offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-            w = torch.cat([pair_w[i] for i in idxs]) if pair_w and pair_w[0] is not None else None
+            w = (torch.cat([x for i in idxs if (x := pair_w[i]) is not None])  # all or none are weighted
+                 if pair_w and pair_w[0] is not None else None)
             pooled[key] = self.groups[key](SparseFeatures(ids, offsets, len(idxs), w))  # [Bg, n_group, d]
         # Output all-to-all: rank r gets rows [start_r, end_r) of every owned pair.
         bounds = [0]
@@ -333,7 +339,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         for f, t in enumerate(self.feature_table):
             shards = self.shards[t]
             kind = shards[0].combine
-            if kind == "local":
+            if kind == "local":  # a data-parallel table: looked up above
+                assert local is not None
                 outs.append(local[:, dp_pos[f]])
             elif kind == "concat":
                 outs.append(torch.cat([received[(f, t, s.index)] for s in shards], dim=1))
@@ -381,6 +388,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         """The full table, gathered from its shards (a collective: every rank must call it)."""
         t = next(i for i, tc in enumerate(self.tables) if tc.name == name)
         if self.sharding[t] == "data_parallel":
+            assert self.replicated is not None  # it holds every data-parallel table
             return self.replicated.table_weight(name).clone()
         parts = []
         for coll in self.groups.values():
@@ -413,5 +421,5 @@ def sparse_select(sparse: SparseFeatures, features: list[int]) -> SparseFeatures
     ids = torch.cat([p.ids for p in parts])
     lens = torch.cat([p.lengths for p in parts])
     offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-    w = torch.cat([p.weights for p in parts]) if sparse.weights is not None else None
+    w = torch.cat([p.weights for p in parts if p.weights is not None]) if sparse.weights is not None else None
     return SparseFeatures(ids, offsets, len(features), w)

@@ -32,6 +32,7 @@ from recstack.exfm.config import StreamConfig
 from recstack.exfm.fm import load_snapshot, table_caps, wait_for_snapshot
 from recstack.exfm.store import DasStore
 from recstack.exfm.windows import VerticalIndex, make_windows, staleness_version
+from recstack.models.dlrm import DLRM
 from recstack.typed_toml import fill
 
 
@@ -71,7 +72,7 @@ class _Scorer:
 
     def __init__(self, snap_dir: Path, ds: PreparedDataset, wait_s: float) -> None:
         self.snap_dir, self.ds, self.wait_s = snap_dir, ds, wait_s
-        self.models: dict[int, tuple[torch.nn.Module, torch.Tensor | None]] = {}
+        self.models: dict[int, tuple[DLRM, torch.Tensor | None]] = {}
 
     def keep_only(self, versions: set[int]) -> None:
         for v in [v for v in self.models if v not in versions]:

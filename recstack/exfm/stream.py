@@ -35,7 +35,7 @@ Evaluator = Callable[[Window], dict[str, BinaryMetrics]]
 METRIC_KEYS = ("ne", "logloss", "auc", "calibration", "ctr", "num_examples")
 
 
-def metric_values(m: BinaryMetrics) -> dict[str, float]:
+def metric_values(m: BinaryMetrics) -> dict[str, float | None]:
     """The subset of ``BinaryMetrics.compute()`` a stream reports, JSON-ready (NaN -> None)."""
     out = m.compute()
     return json_safe({k: out[k] for k in METRIC_KEYS})
@@ -115,7 +115,7 @@ class StreamTrainer:
         finally:
             self.model.train()
 
-    def _train(self, window: Window) -> dict[str, float]:
+    def _train(self, window: Window) -> dict[str, float | None]:
         self.model.train()
         loss_sum, steps, rows, t0 = 0.0, 0, 0, time.perf_counter()
         for batch in self.train_batches(window):
@@ -173,7 +173,7 @@ class StreamTrainer:
             if record["window"] not in done:
                 logger.log(record["window"], "window", _flat(record))
 
-    def summary(self) -> dict[str, dict[str, float]]:
+    def summary(self) -> dict[str, dict[str, float | None]]:
         """Metrics over every evaluated window >= eval_from, per group (pooled, not averaged over windows)."""
         return {name: metric_values(m) for name, m in self.totals.items()}
 

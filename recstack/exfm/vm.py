@@ -39,12 +39,12 @@ class GradScale(torch.autograd.Function):
     """Identity forward; backward multiplies the incoming gradient by ``scale`` (beta of the Auxiliary Head)."""
 
     @staticmethod
-    def forward(ctx, x, scale):  # type: ignore[override]
+    def forward(ctx, x, scale):
         ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         return grad * ctx.scale, None
 
 
@@ -139,7 +139,7 @@ class VerticalModel(nn.Module):
         """Optimizer groups: body + heads at ``lr``, the adapter at lr * sa_lr_scale (embeddings update
         themselves inside backward and are not here)."""
         main = [p for n, p in self.named_parameters() if not n.startswith(("body.embeddings.", "adapter."))]
-        groups = [{"params": main}]
+        groups: list[dict] = [{"params": main}]
         if self.adapter is not None:
             groups.append({"params": list(self.adapter.parameters()), "lr": lr * self.cfg.sa_lr_scale})
         return groups

@@ -34,7 +34,7 @@ class _FusedMLP(torch.autograd.Function):
     """x [B, in] -> y [B, out] through Linear layers, ReLU after every layer flagged in ``relu``."""
 
     @staticmethod
-    def forward(ctx, x, relu, *params):  # type: ignore[override]
+    def forward(ctx, x, relu, *params):
         h = x
         outs = []
         for i, on in enumerate(relu):
@@ -48,7 +48,7 @@ class _FusedMLP(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         n = len(ctx.relu)
         saved = ctx.saved_tensors
         x, outs, params = saved[0], saved[1 : n + 1], saved[n + 1 :]

@@ -19,14 +19,14 @@ class _GramPairs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, t, pick, spread, diagonal):  # type: ignore[override]
+    def forward(ctx, t, pick, spread, diagonal):
         z = torch.bmm(t, t.transpose(1, 2))  # [B, n, n]
         ctx.save_for_backward(t, spread)
         ctx.diagonal = diagonal
         return z.view(t.shape[0], t.shape[1] * t.shape[1]).index_select(1, pick)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         t, spread = ctx.saved_tensors
         b, n, _ = t.shape
         padded = torch.cat([grad, grad.new_zeros(b, 1)], dim=1)  # [B, P + 1], column P is the zero

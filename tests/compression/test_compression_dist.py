@@ -7,12 +7,12 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import free_port
 
 from recstack.compression.base import ChunkKey
 from recstack.compression.eb.codec import EbCodec
@@ -46,10 +46,7 @@ def _worker(rank: int, world: int, port: int, data: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("eb_dist")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, str(tiny_dataset), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tiny_dataset), str(out)), nprocs=2, join=True)
     return out
 
 

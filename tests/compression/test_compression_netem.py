@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import train_args
 
 from bench.netem import NetemCluster
 
@@ -16,11 +17,10 @@ REASON = NetemCluster.available()
 @pytest.mark.skipif(REASON is not None, reason=f"network namespaces not usable here: {REASON}")
 def test_two_ranks_across_namespaces_train_with_eb(tiny_dataset: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    args = ["recstack", "train", "--output-dir", str(out)]
-    for s in [f'data.train="{tiny_dataset}"', "model.embedding_dim=8", "model.bottom_mlp=[16, 8]",
-              "model.top_mlp=[16, 1]", "train.threads=1", "train.progress=false", "train.max_steps=12",
-              "train.log_every=4", "train.batch_size=64", 'dist.forward_codec="eb"', 'dist.backward_codec="eb"']:
-        args += ["--set", s]
+    args = ["recstack", *train_args(out, tiny_dataset, [
+        "model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.threads=1",
+        "train.progress=false", "train.max_steps=12", "train.log_every=4", "train.batch_size=64",
+        'dist.forward_codec="eb"', 'dist.backward_codec="eb"'])]
     with NetemCluster(2, rate="200mbit", delay="0.1ms") as cluster:
         made = list(cluster.made)
         assert len(made) == 3

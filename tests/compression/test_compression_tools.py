@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import train_args
 
 from recstack.cli.main import main
 from recstack.compression.config import CompressionConfig
@@ -66,10 +67,9 @@ def test_config_errors_name_the_key(override, match):
 @pytest.fixture(scope="module")
 def capture(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cap")
-    args = ["train", "--output-dir", str(out / "run"), "--dump-a2a", str(out / "dump"), "--dump-steps", "1,3"]
-    for o in ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.threads=1",
-              "train.progress=false", "train.max_steps=4", "train.batch_size=256", f'data.train="{tiny_dataset}"']:
-        args += ["--set", o]
+    options = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.threads=1",
+               "train.progress=false", "train.max_steps=4", "train.batch_size=256"]
+    args = train_args(out / "run", tiny_dataset, options, "--dump-a2a", str(out / "dump"), "--dump-steps", "1,3")
     assert main(args) == 0
     return out / "dump"
 

@@ -7,15 +7,12 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import torchrun
+from conftest import cli_train, free_port, run_cli, start_cli, torchrun, train_args
 
 COMMON = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.threads=1",
           "train.progress=false", "train.log_every=10", 'optim.sparse="rowwise_adagrad"', "train.eval_batch_size=512"]
@@ -25,16 +22,8 @@ METRICS = ("auc", "logloss", "ne", "calibration", "train_samples", "steps")
 def _torchrun(n: int, data: Path, out: Path, extra: list[str], resume: bool = False,
               log: list[str] | None = None) -> dict:
     """Train with ``n`` ranks -> summary.json (the ranks' stdout is appended to ``log`` when given)."""
-    args = [*torchrun(n), "train", "--output-dir", str(out), "--set", f'data.train="{data}"']
-    if resume:
-        args.append("--resume")
-    for o in [*COMMON, *extra]:
-        args += ["--set", o]
-    res = subprocess.run(args, capture_output=True, text=True, timeout=400)
-    assert res.returncode == 0, res.stderr[-3000:]
-    if log is not None:
-        log.append(res.stdout)
-    return json.loads((out / "summary.json").read_text())
+    flags = ["--resume"] if resume else []
+    return cli_train(out, data, [*COMMON, *extra], *flags, launcher=torchrun(n), timeout=400, log=log)
 
 
 def test_save_with_4_resume_with_2(tiny_dataset: Path, tmp_path: Path) -> None:
@@ -53,24 +42,15 @@ def test_save_with_4_resume_with_2(tiny_dataset: Path, tmp_path: Path) -> None:
         assert resumed[k] == pytest.approx(straight[k], abs=1e-5), k
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_dead_rank_stops_the_others_with_a_clear_error(tiny_dataset: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     procs = []
+    args = train_args(tmp_path / "run", tiny_dataset, ["train.epochs=50", "train.batch_size=32", "dist.timeout_s=20",
+                                                       *COMMON])
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        args = [sys.executable, "-m", "recstack", "train", "--output-dir", str(tmp_path / "run"),
-                "--set", f'data.train="{tiny_dataset}"', "--set", "train.epochs=50", "--set", "train.batch_size=32",
-                "--set", "dist.timeout_s=20"]
-        for o in COMMON:
-            args += ["--set", o]
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs.append(start_cli(args, env=env))
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -146,11 +126,9 @@ def test_checkpoint_of_other_table_sizes_stops_every_rank(tiny_dataset: Path, tm
     layout = ["train.batch_size=32", 'dist.sharding="row_wise"', "dist.timeout_s=60"]
     _torchrun(2, tiny_dataset, run, [*layout, "train.max_steps=4", "train.checkpoint_every=4",
                                      "model.max_table_size=5"])
-    args = [*torchrun(2), "train", "--output-dir", str(run), "--set", f'data.train="{tiny_dataset}"', "--resume"]
-    for o in [*COMMON, *layout, "train.max_steps=8", "model.max_table_size=20"]:
-        args += ["--set", o]
+    args = train_args(run, tiny_dataset, [*COMMON, *layout, "train.max_steps=8", "model.max_table_size=20"], "--resume")
     started = time.time()
-    res = subprocess.run(args, capture_output=True, text=True, timeout=400)
+    res = run_cli(args, launcher=torchrun(2), timeout=400)
     assert res.returncode != 0 and time.time() - started < 50, res.stderr[-3000:]  # an error, not a timeout
     message = f"{run / 'checkpoints' / 'step_000000004'}: table 'C1' was saved as 5 x 8, the model's is 20 x 8"
     assert res.stderr.count(f"recstack train: error: {message}") == 2, res.stderr[-3000:]

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
+from conftest import train_step
 
 from recstack.config import load_config
 from recstack.data.format import PreparedDataset
@@ -49,12 +49,7 @@ def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ra
     losses, bwd_bytes = [], 0.0
     it = loader.iterate_epoch()
     for _ in range(STEPS):
-        batch = next(it)
-        loss = F.binary_cross_entropy_with_logits(net(batch), batch.labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        global_loss = loss.detach().clone()
+        global_loss = train_step(net, opt, next(it)).clone()
         if world > 1:
             dist.all_reduce(global_loss)
             global_loss /= world

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import torchrun
+from conftest import RECSTACK, cli_train, kill_after_checkpoints, run_cli, torchrun, train_args
 
 TORCHRUN = torchrun(2)
 COMMON = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.threads=1",
@@ -16,18 +15,13 @@ COMMON = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[1
 
 
 def _train(cmd: list[str], data: Path, out: Path, extra: list[str]) -> dict:
-    args = [*cmd, "train", "--output-dir", str(out), "--set", f'data.train="{data}"']
-    for o in [*COMMON, *extra]:
-        args += ["--set", o]
-    res = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads((out / "summary.json").read_text())
+    return cli_train(out, data, [*COMMON, *extra], launcher=cmd)
 
 
 @pytest.fixture(scope="module")
 def single(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("single")
-    return _train([sys.executable, "-m", "recstack"], tiny_dataset, out, ["train.batch_size=128"])
+    return _train(RECSTACK, tiny_dataset, out, ["train.batch_size=128"])
 
 
 @pytest.mark.parametrize("sharding,codec,aggregate", [("row_wise", "fp32", False), ("table_wise", "fp32", False),
@@ -53,10 +47,10 @@ def test_torchrun_learning_rate_schedule_matches_single(tiny_dataset: Path, tmp_
     """Warm-up and decay reach every rank's embedding shards and the DDP-wrapped dense part alike."""
     sched = ["optim.lr_warmup_steps=20", "optim.lr_decay_start_step=30", "optim.lr_decay_steps=20",
              'optim.sparse="rowwise_adagrad"', 'dist.sharding="row_wise"']
-    single = _train([sys.executable, "-m", "recstack"], tiny_dataset, tmp_path / "one",
+    single = _train(RECSTACK, tiny_dataset, tmp_path / "one",
                     ["train.batch_size=128", *sched])
     two = _train(TORCHRUN, tiny_dataset, tmp_path / "two", ["train.batch_size=64", *sched])
-    plain = _train([sys.executable, "-m", "recstack"], tiny_dataset, tmp_path / "plain",
+    plain = _train(RECSTACK, tiny_dataset, tmp_path / "plain",
                    ["train.batch_size=128", 'optim.sparse="rowwise_adagrad"'])
     assert two["world_size"] == 2 and single["logloss"] != plain["logloss"]  # the schedule changed the run
     for k in ("auc", "logloss", "ne"):
@@ -79,31 +73,16 @@ def test_planner_plan_trains_and_matches(tiny_dataset: Path, tmp_path: Path, sin
 def test_max_restarts_resumes_from_checkpoint(tiny_dataset: Path, tmp_path: Path, single: dict) -> None:
     """A worker killed mid-run: torchrun restarts the group, which resumes from the last checkpoint by itself
     and ends where an uninterrupted run ends."""
-    import os
-    import signal
-    import time
-
     out = tmp_path / "run"
-    args = [*torchrun(2, "--max-restarts", "1"), "train", "--output-dir", str(out),
-            "--set", f'data.train="{tiny_dataset}"']
-    for o in [*COMMON, "train.batch_size=64", "train.checkpoint_every=20", 'dist.sharding="row_wise"']:
-        args += ["--set", o]
-    agent = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    ckpt = out / "checkpoints"
-    deadline = time.time() + 200
-    while time.time() < deadline and not (ckpt.is_dir() and any(p.name.startswith("step_") and not
-                                                                p.name.endswith(".tmp") for p in ckpt.iterdir())):
-        time.sleep(0.05)
-    workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
-    assert workers and agent.poll() is None, "training ended before a worker could be killed"
-    os.kill(int(workers[-1]), signal.SIGKILL)
+    args = train_args(out, tiny_dataset, [*COMMON, "train.batch_size=64", "train.checkpoint_every=20",
+                                          'dist.sharding="row_wise"'])
+    agent = kill_after_checkpoints(args, out / "checkpoints", 1, launcher=torchrun(2, "--max-restarts", "1"),
+                                   worker=True, timeout=200)
     _, err = agent.communicate(timeout=300)
     assert agent.returncode == 0, err[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     for k in ("auc", "logloss", "train_samples"):
         assert summary[k] == pytest.approx(single[k], abs=1e-5), k
-
-
 
 
 def test_last_eval_batch_leaves_a_rank_without_rows(tmp_path: Path) -> None:
@@ -114,7 +93,7 @@ def test_last_eval_batch_leaves_a_rank_without_rows(tmp_path: Path) -> None:
 
     data = write_tiny_dataset(tmp_path / "data", rows=10010)  # data.eval_fraction 0.1: 1001 evaluation rows
     steps = ["train.max_steps=20", "train.eval_every=10", 'dist.sharding="row_wise"']
-    one = _train([sys.executable, "-m", "recstack"], data, tmp_path / "one",
+    one = _train(RECSTACK, data, tmp_path / "one",
                  ["train.batch_size=128", "train.eval_batch_size=1000", *steps])
     two = _train(TORCHRUN, data, tmp_path / "two", ["train.batch_size=64", "train.eval_batch_size=500", *steps])
     assert two["eval_examples"] == one["eval_examples"] == 1001
@@ -138,10 +117,8 @@ def test_hand_written_plan_is_validated_and_trains(tiny_dataset: Path, tmp_path:
 
     bad = tmp_path / "bad_plan.json"
     bad.write_text(json.dumps({"world_size": 2, "tables": [*entries[:3], {**entries[3], "rows": 999}]}))
-    args = [*TORCHRUN, "train", "--output-dir", str(tmp_path / "bad"), "--set", f'data.train="{tiny_dataset}"']
-    for o in [*COMMON, "train.batch_size=64", f'dist.plan="{bad}"']:
-        args += ["--set", o]
-    res = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    res = run_cli(train_args(tmp_path / "bad", tiny_dataset, [*COMMON, "train.batch_size=64", f'dist.plan="{bad}"']),
+                  launcher=TORCHRUN)
     assert res.returncode != 0
     message = f"{bad}: plan table 3 ('C4'): field 'rows' is 999 in the plan, the table is 1000 x 8"
     assert res.stderr.count(message) == 2, res.stderr[-3000:]  # from both ranks, before any collective
@@ -151,12 +128,10 @@ def test_resume_refuses_the_other_checkpoint_format(tiny_dataset: Path, tmp_path
     """Sharded checkpoints (torchrun) and single-process ones do not load into each other: a resume whose newest
     checkpoint is of the other kind stops with an error naming it instead of training from scratch beside it."""
     def run(cmd: list[str], out: Path, extra: list[str], resume: bool) -> subprocess.CompletedProcess:
-        args = [*cmd, "train", "--output-dir", str(out), "--set", f'data.train="{tiny_dataset}"']
-        for o in [*COMMON, "train.max_steps=20", "train.checkpoint_every=20", 'dist.sharding="row_wise"', *extra]:
-            args += ["--set", o]
-        return subprocess.run(args + (["--resume"] if resume else []), capture_output=True, text=True, timeout=300)
+        options = [*COMMON, "train.max_steps=20", "train.checkpoint_every=20", 'dist.sharding="row_wise"', *extra]
+        return run_cli(train_args(out, tiny_dataset, options, *(["--resume"] if resume else [])), launcher=cmd)
 
-    single = [sys.executable, "-m", "recstack"]
+    single = RECSTACK
     assert run(TORCHRUN, tmp_path / "two", ["train.batch_size=64"], False).returncode == 0
     res = run(single, tmp_path / "two", ["train.batch_size=128", "train.max_steps=40"], True)
     assert res.returncode == 2 and "step_000000020, a sharded checkpoint written under torchrun" in res.stderr
@@ -175,10 +150,8 @@ def test_data_synth_is_generated_once_under_torchrun(tmp_path: Path) -> None:
     synth = ["data.synth.rows=3000", "data.synth.table_sizes=[50, 30, 20]", "data.synth.num_dense=2",
              "data.synth.calibration_rows=1024", "train.batch_size=64", "train.max_steps=4"]
     for rows in (3000, 3500):  # the second run regenerates the set (rows differ)
-        args = [*TORCHRUN, "train", "--output-dir", str(tmp_path / "run"), "--overwrite"]
-        for o in [*COMMON, *synth, f"data.synth.rows={rows}"]:
-            args += ["--set", o]
-        res = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        res = run_cli(train_args(tmp_path / "run", None, [*COMMON, *synth, f"data.synth.rows={rows}"], "--overwrite"),
+                      launcher=TORCHRUN)
         assert res.returncode == 0, res.stderr[-3000:]
         meta = json.loads((tmp_path / "run" / "data" / "meta.json").read_text())
         assert meta["num_rows"] == rows

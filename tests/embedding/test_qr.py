@@ -4,14 +4,12 @@ memory tiers, two ranks under torchrun) training alike, checkpoints, the planner
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import torchrun
+from conftest import RECSTACK, cli_train, small_config, torchrun, train_steps
 
 from recstack.cli.main import main
 from recstack.config import Config, load_config
@@ -125,7 +123,7 @@ def test_config_errors_name_the_field(override: str, field: str) -> None:
 
 
 def _train(data: Path, out: Path | None, extra: list[str]) -> dict:
-    return Trainer(load_config(None, [f'data.train="{data}"', *SMALL, *extra]), out).train()
+    return train_steps(data, out, extra, base=SMALL)
 
 
 def test_trains_and_checkpoints_resume_and_eval(tiny_dataset: Path, tmp_path: Path,
@@ -137,7 +135,7 @@ def test_trains_and_checkpoints_resume_and_eval(tiny_dataset: Path, tmp_path: Pa
     qr = _train(tiny_dataset, tmp_path / "qr", [*QR, *steps])
     assert qr["auc"] > 0.5 + 0.8 * (full["auc"] - 0.5) and qr["logloss"] != full["logloss"]
     _train(tiny_dataset, tmp_path / "cut", [*QR, *steps[:2], "train.max_steps=40", "train.checkpoint_every=40"])
-    cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, *QR, *steps])
+    cfg = small_config(tiny_dataset, [*QR, *steps], base=SMALL)
     resumed = Trainer(cfg, tmp_path / "cut", resume=True)
     assert resumed.step == 40
     assert resumed.train()["logloss"] == qr["logloss"]
@@ -161,14 +159,10 @@ def test_torchrun_two_ranks_match_single(tiny_dataset: Path, tmp_path: Path, sha
     """The split tables are sharded like any other; the pipelined loader splits ids before routing them."""
 
     def run(cmd: list[str], out: Path, extra: list[str]) -> dict:
-        args = [*cmd, "train", "--output-dir", str(out), "--set", f'data.train="{tiny_dataset}"']
-        for o in [*SMALL, *QR, "train.max_steps=60", "train.eval_every=25", *extra]:
-            args += ["--set", o]
-        res = subprocess.run(args, capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stderr[-3000:]
-        return json.loads((out / "summary.json").read_text())
+        options = [*SMALL, *QR, "train.max_steps=60", "train.eval_every=25", *extra]
+        return cli_train(out, tiny_dataset, options, launcher=cmd)
 
-    one = run([sys.executable, "-m", "recstack"], tmp_path / "one", ["train.batch_size=128"])
+    one = run(RECSTACK, tmp_path / "one", ["train.batch_size=128"])
     two = run(torchrun(2), tmp_path / "two", ["train.batch_size=64", f'dist.sharding="{sharding}"'])
     assert two["world_size"] == 2
     for k in ("auc", "logloss", "ne"):

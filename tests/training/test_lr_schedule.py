@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import small_config
 
 from recstack.config import load_config
 from recstack.errors import ConfigError
@@ -70,7 +71,7 @@ def test_update_s_trains_at_the_rate_a_torch_scheduler_gives_it(warmup: int, sta
 
 
 def _trainer(data: Path, out: Path | None, extra: list[str]) -> Trainer:
-    return Trainer(load_config(None, [f'data.train="{data}"', *SMALL, *extra]), out)
+    return Trainer(small_config(data, extra, base=SMALL), out)
 
 
 def _weights(t: Trainer) -> dict[str, torch.Tensor]:
@@ -109,7 +110,7 @@ def test_resume_continues_the_schedule(tiny_dataset: Path, tmp_path: Path) -> No
     sched = ["optim.lr_warmup_steps=12", "optim.lr_decay_start_step=14", "optim.lr_decay_steps=10"]
     whole = _trainer(tiny_dataset, tmp_path / "whole", ["train.max_steps=24", *sched]).train()
     _trainer(tiny_dataset, tmp_path / "cut", ["train.max_steps=10", *sched]).train()  # checkpoint at step 10
-    cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, "train.max_steps=24", *sched])
+    cfg = small_config(tiny_dataset, ["train.max_steps=24", *sched], base=SMALL)
     resumed = Trainer(cfg, tmp_path / "cut", resume=True)
     assert resumed.step == 10
     out = resumed.train()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from conftest import train_step
 
 from recstack.config import load_config
 from recstack.data.format import PreparedDataset
@@ -43,12 +43,7 @@ def _losses(data: Path, overrides: list[str], steps: int = 30) -> list[float]:
     out = []
     it = BatchLoader(ds, 64, prefetch=0).iterate_epoch()
     for _ in range(steps):
-        batch = next(it)
-        loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
+        out.append(train_step(model, opt, next(it)).item())
     return out
 
 

@@ -4,15 +4,12 @@ tables, and SIGKILL + resume of an ssd-cached table."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL, kill_after_checkpoints, run_cli, small_config, train_args, train_steps
 
 from recstack.config import load_config
 from recstack.data.batch import SparseFeatures
@@ -28,15 +25,6 @@ from recstack.training.checkpoint.single import (
 )
 from recstack.training.trainer import Trainer
 
-SMALL = [
-    "model.embedding_dim=8",
-    "model.bottom_mlp=[32, 8]",
-    "model.top_mlp=[32, 1]",
-    "train.batch_size=64",
-    "train.threads=1",
-    "train.progress=false",
-    'optim.sparse="rowwise_adagrad"',
-]
 METRICS = ("auc", "logloss", "ne", "calibration", "accuracy", "steps", "train_samples")
 # The tiny data set's tables hold 50, 300, 7 and 1000 rows of 36 bytes (8 weights + an accumulator).
 # 4392 bytes of device memory: C1 and C3 stay, C2 (host-cached, 32-row cache) and C4 (ssd-cached, 33 rows).
@@ -45,18 +33,13 @@ MIXED = ['memory.device="4392"', 'memory.host="10800"']
 SSD = ['memory.device="16452"', 'memory.host="0"']
 
 
-def _train(data: Path, out: Path | None, extra: list[str]) -> dict:
-    cfg = load_config(None, [f'data.train="{data}"', *SMALL, *extra])
-    return Trainer(cfg, out).train()
-
-
 def test_trainer_with_budgets_matches_all_in_memory(
     tiny_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     extra = ["train.max_steps=60", "train.eval_every=25", "train.shuffle=true", "train.log_every=20"]
-    ref = _train(tiny_dataset, None, extra)
+    ref = train_steps(tiny_dataset, None, extra)
     assert "embedding placement" not in capsys.readouterr().out
-    run = _train(tiny_dataset, tmp_path / "run", [*extra, *MIXED, f'memory.ssd_dir="{tmp_path / "ssd"}"'])
+    run = train_steps(tiny_dataset, tmp_path / "run", [*extra, *MIXED, f'memory.ssd_dir="{tmp_path / "ssd"}"'])
     plan = capsys.readouterr().out
     assert "host-cached" in plan and "ssd-cached" in plan, plan
     assert {k: ref[k] for k in METRICS} == {k: run[k] for k in METRICS}
@@ -79,8 +62,7 @@ def test_trainer_close_releases_the_table_files(tiny_dataset: Path, tmp_path: Pa
 
     if not Path("/proc/self/fd").is_dir():
         pytest.skip("needs /proc/self/fd to see open files")
-    cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, "train.max_steps=5", *SSD,
-                             f'memory.ssd_dir="{tmp_path / "ssd"}"'])
+    cfg = small_config(tiny_dataset, ["train.max_steps=5", *SSD, f'memory.ssd_dir="{tmp_path / "ssd"}"'])
     trainer = Trainer(cfg, None)
     trainer.train()
     assert open_in(tmp_path / "ssd")
@@ -94,7 +76,7 @@ def test_memory_config_errors_name_the_key(tiny_dataset: Path) -> None:
     with pytest.raises(ConfigError, match="memory.cache_policy: 'mru' is not one of lru, lfu"):
         load_config(None, ['memory.cache_policy="mru"'])
     with pytest.raises(ValueError, match="set memory.ssd_dir"):
-        _train(tiny_dataset, None, SSD)
+        train_steps(tiny_dataset, None, SSD)
 
 
 def _collection(placement: TablePlacement, ssd: Path) -> TieredEmbeddingCollection:
@@ -157,39 +139,24 @@ def test_directory_checkpoints_are_atomic(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "ckpt_000000003")
 
 
-def _cli(data: Path, out: Path, extra: list[str], resume: bool = False) -> subprocess.Popen:
-    args = [sys.executable, "-m", "recstack", "train", "--output-dir", str(out), "--set", f'data.train="{data}"']
-    args += ["--resume"] if resume else []
-    for o in [*SMALL, *extra]:
-        args += ["--set", o]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 def test_sigkill_then_resume_ssd_cached_matches_uninterrupted(tiny_dataset: Path, tmp_path: Path) -> None:
     """The SSD table is rewritten by evictions after every checkpoint; the resumed run must start from the
     checkpoint's copy of it, never from what the file held when the process died."""
     extra = ["train.max_steps=150", "train.checkpoint_every=40", "train.shuffle=true", *SSD]
-    ref = _cli(tiny_dataset, tmp_path / "ref", [*extra, f'memory.ssd_dir="{tmp_path / "ssd_ref"}"'])
-    out, err = ref.communicate(timeout=300)
-    assert ref.returncode == 0, err
-    assert "ssd-cached" in out
+    ref = run_cli(train_args(tmp_path / "ref", tiny_dataset, [*SMALL, *extra,
+                                                              f'memory.ssd_dir="{tmp_path / "ssd_ref"}"']))
+    assert ref.returncode == 0, ref.stderr
+    assert "ssd-cached" in ref.stdout
 
-    run_extra = [*extra, f'memory.ssd_dir="{tmp_path / "ssd"}"']
-    killed = _cli(tiny_dataset, tmp_path / "run", run_extra)
-    ckpt_dir = tmp_path / "run" / "checkpoints"
-    deadline = time.time() + 120
-    while len(list_checkpoints(ckpt_dir)) < 2 and time.time() < deadline and killed.poll() is None:
-        time.sleep(0.005)
-    os.kill(killed.pid, signal.SIGKILL)
-    killed.communicate()
+    run = train_args(tmp_path / "run", tiny_dataset, [*SMALL, *extra, f'memory.ssd_dir="{tmp_path / "ssd"}"'])
+    killed = kill_after_checkpoints(run, tmp_path / "run" / "checkpoints", 2)
     assert killed.returncode == -signal.SIGKILL, "training finished before it could be killed"
     assert not (tmp_path / "run" / "summary.json").exists()
     assert list((tmp_path / "ssd").iterdir()) == []  # the live table file died with the process
 
-    resumed = _cli(tiny_dataset, tmp_path / "run", run_extra, resume=True)
-    out, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err
-    assert "resume: continuing from" in out
+    resumed = run_cli([*run, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resume: continuing from" in resumed.stdout
     a = json.loads((tmp_path / "ref" / "summary.json").read_text())
     b = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert {k: a[k] for k in METRICS} == {k: b[k] for k in METRICS}
@@ -205,7 +172,7 @@ def test_fused_and_tiered_checkpoints_do_not_mix(tmp_path: Path) -> None:
 
 def _stopped_run(data: Path, out: Path, extra: list[str], step: int, stop_at) -> None:
     """Train until ``step`` steps are done, then stop between two steps (as a killed run does)."""
-    t = Trainer(load_config(None, [f'data.train="{data}"', *SMALL, *extra]), out)
+    t = Trainer(small_config(data, extra), out)
     stop_at(t, step)
     t.close()
 
@@ -216,13 +183,13 @@ def test_resume_across_memory_layouts_matches_uninterrupted(tiny_dataset: Path, 
     extra = ["train.max_steps=100", "train.checkpoint_every=40", "train.eval_every=30", "train.shuffle=true"]
     tight = [*MIXED, f'memory.ssd_dir="{tmp_path / "ssd"}"']
     roomy = ['memory.device="1MB"']
-    ref = _train(tiny_dataset, None, extra)
+    ref = train_steps(tiny_dataset, None, extra)
     for first, then in ((tight, roomy), (roomy, tight)):
         out = tmp_path / f"run{len(first)}"
         _stopped_run(tiny_dataset, out, [*extra, *first], 60, stop_at)
         (ckpt,) = [p for p in list_checkpoints(out / "checkpoints") if p.name.startswith("ckpt_000000040")]
         assert ckpt.is_dir() == (first is tight)
-        cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, *extra, *then])
+        cfg = small_config(tiny_dataset, [*extra, *then])
         t = Trainer(cfg, out, resume=True)
         assert t.step == 40 and t.model.embeddings.stores_rows_in_files == (then is tight)
         run = t.train()
@@ -234,7 +201,8 @@ def test_eval_and_predict_take_a_checkpoint_directory(tiny_dataset: Path, tmp_pa
     """A tiered run's checkpoint is a directory; eval prints only JSON on stdout (the placement to stderr)."""
     from recstack.cli.main import main
 
-    s = _train(tiny_dataset, tmp_path / "run", ["train.max_steps=30", *MIXED, f'memory.ssd_dir="{tmp_path / "ssd"}"'])
+    s = train_steps(tiny_dataset, tmp_path / "run",
+                    ["train.max_steps=30", *MIXED, f'memory.ssd_dir="{tmp_path / "ssd"}"'])
     (ckpt,) = list_checkpoints(tmp_path / "run" / "checkpoints")
     capsys.readouterr()
     for where in (ckpt, tmp_path / "run"):

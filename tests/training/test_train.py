@@ -6,14 +6,11 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, SMALL, kill_after_checkpoints, run_cli, small_config, train_args, train_steps
 
 from recstack.cli.main import main
 from recstack.config import load_config
@@ -22,33 +19,19 @@ from recstack.errors import ConfigError
 from recstack.training.checkpoint.single import list_checkpoints
 from recstack.training.trainer import Trainer
 
-SMALL = [
-    "model.embedding_dim=8",
-    "model.bottom_mlp=[32, 8]",
-    "model.top_mlp=[32, 1]",
-    "train.batch_size=64",
-    "train.threads=1",
-    "train.progress=false",
-    "optim.sparse=\"rowwise_adagrad\"",
-]
 METRICS = ("auc", "logloss", "ne", "calibration", "accuracy", "steps", "train_samples")
 
 
-def _train(data: Path, out: Path | None, extra: list[str] = ()) -> dict:
-    cfg = load_config(None, [f'data.train="{data}"', *SMALL, *extra])
-    return Trainer(cfg, out).train()
-
-
 def test_same_seed_same_result(tiny_dataset: Path) -> None:
-    a = _train(tiny_dataset, None, ["train.max_steps=40"])
-    b = _train(tiny_dataset, None, ["train.max_steps=40"])
-    c = _train(tiny_dataset, None, ["train.max_steps=40", "train.seed=1"])
+    a = train_steps(tiny_dataset, None, ["train.max_steps=40"])
+    b = train_steps(tiny_dataset, None, ["train.max_steps=40"])
+    c = train_steps(tiny_dataset, None, ["train.max_steps=40", "train.seed=1"])
     assert all(a[k] == b[k] for k in METRICS)
     assert a["logloss"] != c["logloss"]
 
 
 def test_learns_and_writes_outputs(tiny_dataset: Path, tmp_path: Path) -> None:
-    s = _train(tiny_dataset, tmp_path, ["train.epochs=2", "train.eval_every=200", "train.log_every=50"])
+    s = train_steps(tiny_dataset, tmp_path, ["train.epochs=2", "train.eval_every=200", "train.log_every=50"])
     # the fixture stores its true click probabilities, so the best possible AUC is known
     assert s["auc"] - 0.5 >= 0.9 * (s["oracle_auc"] - 0.5)
     for name in ("metrics.jsonl", "summary.json", "curves.png", "config.json"):
@@ -61,55 +44,39 @@ def test_learns_and_writes_outputs(tiny_dataset: Path, tmp_path: Path) -> None:
 
 def test_target_auc_stops_at_the_first_evaluation_that_reaches_it(tiny_dataset: Path, tmp_path: Path) -> None:
     common = ["train.max_steps=200", "train.eval_every=20"]
-    _train(tiny_dataset, tmp_path / "free", common)
+    train_steps(tiny_dataset, tmp_path / "free", common)
     lines = [json.loads(x) for x in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()]
     periodic = [x for x in lines if x["kind"] == "eval" and x["step"] < 200]
     target = max(x["auc"] for x in periodic[:4])  # reached first at that evaluation (runs are deterministic)
     first = next(x for x in periodic if x["auc"] >= target)
-    s = _train(tiny_dataset, tmp_path / "target", [*common, f"train.target_auc={target!r}"])
+    s = train_steps(tiny_dataset, tmp_path / "target", [*common, f"train.target_auc={target!r}"])
     assert s["target_reached_step"] == s["steps"] == first["step"] < 200
     assert s["auc"] == first["auc"] and s["target_auc"] == target
     evals = [json.loads(x) for x in (tmp_path / "target" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in evals if x["kind"] == "eval"][-1] == first["step"]  # not evaluated twice
-    cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, *common, f"train.target_auc={target!r}"])
+    cfg = small_config(tiny_dataset, [*common, f"train.target_auc={target!r}"])
     again = Trainer(cfg, tmp_path / "target", resume=True)  # a finished run stays finished
     assert again.step == first["step"]
     done = again.train()
     assert done["steps"] == done["target_reached_step"] == first["step"]
-    never = _train(tiny_dataset, None, [*common, "train.target_auc=0.9999"])
+    never = train_steps(tiny_dataset, None, [*common, "train.target_auc=0.9999"])
     assert never["steps"] == 200 and never["target_reached_step"] is None
     with pytest.raises(ConfigError, match="train.target_auc: needs train.eval_every"):
         load_config(None, ["train.target_auc=0.8"])
     with pytest.raises(ConfigError, match=r"train.target_auc: must be in \[0, 1\)"):
         load_config(None, ["train.target_auc=1.5", "train.eval_every=10"])
 
-def _cli_train(data: Path, out: Path, extra: list[str]) -> subprocess.Popen:
-    args = [sys.executable, "-m", "recstack", "train", "--output-dir", str(out), "--set", f'data.train="{data}"']
-    for o in [*SMALL, *extra]:
-        args += ["--set", o]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
 def test_sigkill_then_resume_matches_uninterrupted(tiny_dataset: Path, tmp_path: Path) -> None:
     extra = ["train.epochs=2", "train.checkpoint_every=50", "train.eval_every=300", "train.shuffle=true"]
-    ref = _cli_train(tiny_dataset, tmp_path / "ref", extra)
-    assert ref.wait(timeout=300) == 0, ref.stderr.read()
+    ref = run_cli(train_args(tmp_path / "ref", tiny_dataset, [*SMALL, *extra]))
+    assert ref.returncode == 0, ref.stderr
 
-    killed = _cli_train(tiny_dataset, tmp_path / "run", extra)
-    ckpt_dir = tmp_path / "run" / "checkpoints"
-    deadline = time.time() + 120
-    while len(list_checkpoints(ckpt_dir)) < 2 and time.time() < deadline and killed.poll() is None:
-        time.sleep(0.005)
-    os.kill(killed.pid, signal.SIGKILL)
-    killed.wait()
+    killed = kill_after_checkpoints(train_args(tmp_path / "run", tiny_dataset, [*SMALL, *extra]),
+                                    tmp_path / "run" / "checkpoints", 2)
     assert killed.returncode == -signal.SIGKILL, "training finished before it could be killed"
     assert not (tmp_path / "run" / "summary.json").exists()
 
-    resumed = subprocess.run(
-        [sys.executable, "-m", "recstack", "train", "--resume", "--output-dir", str(tmp_path / "run"),
-         "--set", f'data.train="{tiny_dataset}"', *sum((["--set", o] for o in [*SMALL, *extra]), [])],
-        capture_output=True, text=True, timeout=300,
-    )
+    resumed = run_cli(train_args(tmp_path / "run", tiny_dataset, [*SMALL, *extra], "--resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resume: continuing from" in resumed.stdout
     a = json.loads((tmp_path / "ref" / "summary.json").read_text())
@@ -118,11 +85,11 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny_dataset: Path, tmp_path:
 
 
 def test_corrupt_newest_checkpoint_is_skipped(tiny_dataset: Path, tmp_path: Path) -> None:
-    _train(tiny_dataset, tmp_path, ["train.max_steps=30", "train.checkpoint_every=10"])
+    train_steps(tiny_dataset, tmp_path, ["train.max_steps=30", "train.checkpoint_every=10"])
     ckpts = list_checkpoints(tmp_path / "checkpoints")
     assert [p.name for p in ckpts] == ["ckpt_000000010.pt", "ckpt_000000020.pt", "ckpt_000000030.pt"]
     ckpts[-1].write_bytes(ckpts[-1].read_bytes()[:1000])  # torn write
-    cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, "train.max_steps=30"])
+    cfg = small_config(tiny_dataset, ["train.max_steps=30"])
     with pytest.warns(UserWarning, match="cannot be loaded"):
         t = Trainer(cfg, tmp_path, resume=True)
     assert t.step == 20
@@ -150,14 +117,13 @@ def test_a_fresh_run_does_not_mix_with_an_earlier_one(tiny_dataset: Path, tmp_pa
     """A run without --resume into a directory that holds an earlier run is refused (its steps would
     interleave in metrics.jsonl and its later checkpoints would be the ones --resume and eval pick); with
     --overwrite the earlier run's outputs are gone and the directory holds exactly this run's."""
-    base = ["--output-dir", str(tmp_path), "--set", f'data.train="{tiny_dataset}"',
-            *sum((["--set", o] for o in [*SMALL, "train.checkpoint_every=20", "train.log_every=10"]), [])]
-    assert main(["train", *base, "--set", "train.max_steps=60"]) == 0
-    assert main(["train", *base, "--set", "train.max_steps=40"]) == 2
+    base = train_args(tmp_path, tiny_dataset, [*SMALL, "train.checkpoint_every=20", "train.log_every=10"])
+    assert main([*base, "--set", "train.max_steps=60"]) == 0
+    assert main([*base, "--set", "train.max_steps=40"]) == 2
     err = capsys.readouterr().err
     assert "holds an earlier run" in err and "checkpoints/ckpt_" in err and "--overwrite" in err
     assert max(r[0] for r in _records(tmp_path / "metrics.jsonl")) == 60  # the earlier run is untouched
-    assert main(["train", *base, "--set", "train.max_steps=40", "--overwrite"]) == 0
+    assert main([*base, "--set", "train.max_steps=40", "--overwrite"]) == 0
     assert [r[0] for r in _records(tmp_path / "metrics.jsonl") if r[1] == "train"] == [10, 20, 30, 40]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["ckpt_000000020.pt", "ckpt_000000040.pt"]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -168,7 +134,7 @@ def test_a_fresh_run_does_not_mix_with_an_earlier_one(tiny_dataset: Path, tmp_pa
 
 
 def test_eval_and_predict_cli(tiny_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    s = _train(tiny_dataset, tmp_path, ["train.max_steps=30", f'data.eval="{tiny_dataset}"'])
+    s = train_steps(tiny_dataset, tmp_path, ["train.max_steps=30", f'data.eval="{tiny_dataset}"'])
     assert main(["eval", "--checkpoint", str(tmp_path), "--data", str(tiny_dataset)]) == 0
     out = capsys.readouterr().out
     evaluated = json.loads(out[out.index("{"):])
@@ -184,7 +150,7 @@ def test_eval_and_predict_device(tiny_dataset: Path, tmp_path: Path, capsys: pyt
     """``--device`` picks where the model runs (default cpu); a bad or missing device is an error naming it."""
     import torch
 
-    _train(tiny_dataset, tmp_path, ["train.max_steps=20"])
+    train_steps(tiny_dataset, tmp_path, ["train.max_steps=20"])
     capsys.readouterr()
     results = {}
     devices = ["cpu", "auto"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -209,7 +175,7 @@ def test_eval_of_a_one_class_set_prints_valid_json(tiny_dataset: Path, tmp_path:
     """AUC and NE are undefined without both classes: null, as in summary.json, never the non-JSON NaN."""
     import shutil
 
-    _train(tiny_dataset, tmp_path / "run", ["train.max_steps=10"])
+    train_steps(tiny_dataset, tmp_path / "run", ["train.max_steps=10"])
     negatives = tmp_path / "negatives"
     shutil.copytree(tiny_dataset, negatives)
     np.zeros(20000, np.float32).tofile(negatives / "labels.bin")
@@ -225,7 +191,7 @@ def test_eval_and_predict_report_bad_input_without_a_traceback(tiny_dataset: Pat
                                                                 capsys: pytest.CaptureFixture) -> None:
     import torch
 
-    _train(tiny_dataset, tmp_path / "run", ["train.max_steps=10"])
+    train_steps(tiny_dataset, tmp_path / "run", ["train.max_steps=10"])
     run, data = str(tmp_path / "run"), str(tiny_dataset)
     torn = tmp_path / "torn.pt"
     torn.write_bytes((tmp_path / "run" / "checkpoints" / "ckpt_000000010.pt").read_bytes()[:1000])
@@ -249,7 +215,7 @@ def test_predict_keeps_row_order_and_does_not_overwrite(tiny_dataset: Path, tmp_
                                                        capsys: pytest.CaptureFixture) -> None:
     """Every row once, in data order, whatever the batch size (a last short batch too); an existing --out is
     replaced only with --overwrite, and never left half written."""
-    _train(tiny_dataset, tmp_path / "run", ["train.max_steps=10"])
+    train_steps(tiny_dataset, tmp_path / "run", ["train.max_steps=10"])
     common = ["predict", "--checkpoint", str(tmp_path / "run"), "--data", str(tiny_dataset)]
     csv = tmp_path / "p.csv"
     assert main([*common, "--out", str(csv), "--batch-size", "3000"]) == 0  # 6 full batches and 2000 rows
@@ -388,15 +354,14 @@ def test_resume_continues_metrics_from_the_checkpoint(tiny_dataset: Path, tmp_pa
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     extra = ["train.max_steps=100", "train.checkpoint_every=40", "train.eval_every=30", "train.log_every=10"]
-    cfg = load_config(None, [f'data.train="{tiny_dataset}"', *SMALL, *extra])
+    cfg = small_config(tiny_dataset, extra)
     Trainer(cfg, tmp_path / "ref").train()
     stop_at(Trainer(cfg, tmp_path / "run"), 75)
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert max(s for s, *_ in _records(metrics)) == 70  # logged after the checkpoint at 40
     with open(metrics, "r+b") as f:  # a line cut short by the kill
         f.truncate(f.seek(0, os.SEEK_END) - 20)
-    assert main(["train", "--resume", "--output-dir", str(tmp_path / "run"), "--set", f'data.train="{tiny_dataset}"',
-                 *sum((["--set", o] for o in [*SMALL, *extra]), [])]) == 0
+    assert main(train_args(tmp_path / "run", tiny_dataset, [*SMALL, *extra], "--resume")) == 0
     assert _records(metrics) == _records(tmp_path / "ref" / "metrics.jsonl")
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
@@ -406,20 +371,20 @@ def test_resume_continues_metrics_from_the_checkpoint(tiny_dataset: Path, tmp_pa
 
 def test_target_auc_reached_at_the_final_evaluation(tiny_dataset: Path, tmp_path: Path) -> None:
     common = ["train.max_steps=60", "train.eval_every=1000"]  # evaluated once: after the last step
-    free = _train(tiny_dataset, None, common)
-    s = _train(tiny_dataset, tmp_path, [*common, f"train.target_auc={free['auc']!r}"])
+    free = train_steps(tiny_dataset, None, common)
+    s = train_steps(tiny_dataset, tmp_path, [*common, f"train.target_auc={free['auc']!r}"])
     assert s["target_reached_step"] == s["steps"] == 60 and s["auc"] == free["auc"]
     assert json.loads((tmp_path / "summary.json").read_text())["target_reached_step"] == 60
     evals = [r for r in _records(tmp_path / "metrics.jsonl") if r[1] == "eval"]
     assert [r[0] for r in evals] == [60]
-    short = _train(tiny_dataset, None, [*common, f"train.target_auc={free['auc'] + 1e-6!r}"])
+    short = train_steps(tiny_dataset, None, [*common, f"train.target_auc={free['auc'] + 1e-6!r}"])
     assert short["target_reached_step"] is None
 
 
 def test_eval_without_data_scores_the_rows_the_run_evaluated(tiny_dataset: Path, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture) -> None:
     """Not the rows it trained on: the held-out tail (data.eval_fraction), or data.eval when it was set."""
-    s = _train(tiny_dataset, tmp_path / "tail", ["train.max_steps=30"])
+    s = train_steps(tiny_dataset, tmp_path / "tail", ["train.max_steps=30"])
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(tmp_path / "tail")]) == 0
     out, err = capsys.readouterr()
@@ -427,7 +392,7 @@ def test_eval_without_data_scores_the_rows_the_run_evaluated(tiny_dataset: Path,
     assert evaluated["rows"] == [18000, 20000] and evaluated["num_examples"] == 2000 == s["eval_examples"]
     assert evaluated["auc"] == pytest.approx(s["auc"], abs=1e-9)
     assert "rows 18000..19999" in err and "eval_fraction=0.1" in err
-    s = _train(tiny_dataset, tmp_path / "sep", ["train.max_steps=30", f'data.eval="{tiny_dataset}"'])
+    s = train_steps(tiny_dataset, tmp_path / "sep", ["train.max_steps=30", f'data.eval="{tiny_dataset}"'])
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(tmp_path / "sep")]) == 0
     evaluated = json.loads(capsys.readouterr().out)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import small_config, train_args
 
 from recstack.cli.main import main
-from recstack.config import load_config
 from recstack.data.format import PreparedWriter, SparseFeatureSpec
 from recstack.training.trainer import Trainer
 
@@ -43,8 +43,7 @@ def _write(path: Path, rows: int, sizes: list[int], dense: int = 3, names: list[
 
 
 def _cfg(train: Path | None, extra: list[str] = ()):
-    data = [f'data.train="{train}"'] if train else []
-    return load_config(None, [*data, *SMALL, *extra])
+    return small_config(train, extra, base=SMALL)
 
 
 def test_eval_data_with_another_layout_fails_at_start_up(tmp_path: Path) -> None:
@@ -135,8 +134,7 @@ def test_no_evaluation_rows_trains_without_evaluation(tmp_path: Path, capsys: py
     assert {x["kind"] for x in lines} == {"train"}
     # an empty eval set, from the command line
     empty = _write(tmp_path / "empty", 0, [20, 30, 5])
-    args = ["train", "--output-dir", str(tmp_path / "b"), "--set", f'data.train="{train}"', "--set",
-            f'data.eval="{empty}"', "--set", "train.max_steps=4", *sum((["--set", o] for o in SMALL), [])]
+    args = train_args(tmp_path / "b", train, [f'data.eval="{empty}"', "train.max_steps=4", *SMALL])
     assert main(args) == 0
     out = capsys.readouterr()
     assert f"no evaluation: data.eval {empty} has no rows" in out.err and "final eval: none" in out.out

@@ -17,6 +17,7 @@ import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,9 +30,9 @@ from recstack.compression.registry import get_codec
 @dataclass
 class Baseline:
     name: str
-    encode: Callable[[np.ndarray, float], object]  # (values [N, D], eb_abs) -> compressed object
-    decode: Callable[[object, tuple[int, int]], np.ndarray]
-    size: Callable[[object], int]
+    encode: Callable[[np.ndarray, float], Any]  # (values [N, D], eb_abs) -> compressed object (codec's own type)
+    decode: Callable[[Any, tuple[int, int]], np.ndarray]
+    size: Callable[[Any], int]
     bounded: bool  # honours eb_abs (else a fixed-rate format whose error is only measured)
 
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from recstack.embedding.collection import EmbeddingCollection
 
 META = "meta.json"
 _NAME = re.compile(r"^(fwd|bwd)_(.+)_s(\d+)_r(\d+)\.npy$")
@@ -28,7 +31,7 @@ class FeatureInfo:
     dim: int
 
 
-def features_of(collection: torch.nn.Module) -> list[FeatureInfo]:
+def features_of(collection: EmbeddingCollection) -> list[FeatureInfo]:
     """Feature order of an EmbeddingCollection's output [B, F, D], with each feature's table."""
     out: list[FeatureInfo | None] = [None] * collection.num_features
     for t in collection.tables:
@@ -50,7 +53,7 @@ class PayloadRecorder:
         self.features: list[FeatureInfo] = []
         self.saved = 0
 
-    def attach(self, collection: torch.nn.Module) -> None:
+    def attach(self, collection: EmbeddingCollection) -> None:
         self.features = features_of(collection)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
@@ -112,7 +115,7 @@ class Payload:
         return data.reshape(-1, d).astype(np.float32, copy=False)
 
 
-def find_payloads(paths: list[str | Path]) -> list[Payload]:
+def find_payloads(paths: Sequence[str | Path]) -> list[Payload]:
     """Files and directories -> payloads. Captured .npy files get their table from meta.json; any other file
     (raw float32 from other DLRM code) is one payload of unknown table."""
     out: list[Payload] = []

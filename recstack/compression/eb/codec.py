@@ -95,6 +95,7 @@ class EbCodec(Codec):
             if carried is not None and carried.shape == x.shape:
                 x = x + carried
             msg, info = encode_with_info(x, bound, self.relative, self.lossless, want_recon=True)
+            assert info.recon is not None  # want_recon=True
             residual = x - info.recon
             if info.exceptions or info.layout == "raw":  # else every value was finite and within the bound
                 residual = torch.nan_to_num(residual, nan=0.0, posinf=0.0, neginf=0.0)

@@ -172,14 +172,14 @@ def parse(message: torch.Tensor, host_views: bool = False) -> tuple[Header, list
         raise EbFormatError(f"eb: message of {n} bytes is shorter than the {HEADER_SIZE}-byte header (truncated?)")
     on_host = message.is_cpu
     buf = message.numpy() if on_host else None  # the host reads headers and lengths without tensor ops
-    head = buf[:HEADER_SIZE].tobytes() if on_host else bytes(message[:HEADER_SIZE].cpu().numpy())
+    head = buf[:HEADER_SIZE].tobytes() if buf is not None else bytes(message[:HEADER_SIZE].cpu().numpy())
     fields = HEADER.unpack_from(head)
     if fields[0] != MAGIC:
         raise EbFormatError(f"eb: bad magic {fields[0]!r} (expected {MAGIC!r}): not an error-bounded message")
     if fields[1] != VERSION:
         raise EbFormatError(f"eb: message format version {fields[1]}, this build reads version {VERSION}")
     stored = _CHECKSUM.unpack_from(head, HEADER.size)[0]
-    body_sum = checksum_np(buf[HEADER_SIZE:]) if on_host else checksum(message[HEADER_SIZE:])
+    body_sum = checksum_np(buf[HEADER_SIZE:]) if buf is not None else checksum(message[HEADER_SIZE:])
     if _combine(head, body_sum) != stored:
         raise EbFormatError(f"eb: checksum mismatch in a {n}-byte message (corrupt or truncated)")
     h = Header(*fields[2:16])
@@ -199,14 +199,14 @@ def parse(message: torch.Tensor, host_views: bool = False) -> tuple[Header, list
     for i in range(h.sections):
         if pos + 4 > n:
             raise EbFormatError(f"eb: section {i} length runs past the end of a {n}-byte message")
-        if on_host:
-            length = _LENGTH.unpack_from(buf, pos)[0]
+        if buf is not None:
+            length = _LENGTH.unpack_from(buf.data, pos)[0]
         else:
             length = struct.unpack("<i", bytes(message[pos : pos + 4].cpu().numpy()))[0]
         pos += 4
         if length < 0 or pos + length > n:
             raise EbFormatError(f"eb: section {i} of {length} bytes runs past the end of a {n}-byte message")
-        sections.append(buf[pos : pos + length] if numpy_views else message[pos : pos + length])
+        sections.append(buf[pos : pos + length] if numpy_views and buf is not None else message[pos : pos + length])
         pos += length
     if pos != n:
         raise EbFormatError(f"eb: {n - pos} trailing bytes after the last section")

@@ -124,7 +124,7 @@ def encode_fused(x: np.ndarray, bound: float, relative: bool, pairs_max_escapes:
     has to decide), built by one C call and the zstd frames; None without the C loops."""
     front = native.encode_front(x, bound, relative, TIGHTEN, SAFE_RATIO, pairs_max_escapes, pk.MAX_DISTINCT_ROWS)
     if front is None or front[1] is None:
-        return front
+        return None if front is None else (front[0], None)
     f = front[1]
     flags = FLAG_ZSTD | (FLAG_PAIRS if f.pairs else 0)
     sections = [_frame(f.stream)]
@@ -199,4 +199,4 @@ def encode_body(codes: np.ndarray, qmin: int, levels: int, pairs_max_escapes: fl
 
 
 def _frame(a: np.ndarray) -> bytes:
-    return pk.zstd_contexts()[0].compress(np.ascontiguousarray(a))
+    return pk.zstd_contexts()[0].compress(np.ascontiguousarray(a).data)

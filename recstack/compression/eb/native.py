@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 try:
-    from recstack.compression.eb import _ebhost as _c
+    from recstack.compression.eb import _ebhost as _c  # type: ignore[attr-defined]  # a C extension, no stub
 except ImportError:  # built without a compiler: the numpy loops below
     _c = None
 if os.environ.get("RECSTACK_NO_NATIVE") == "1":

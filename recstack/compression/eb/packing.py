@@ -44,7 +44,7 @@ def zstd_contexts() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompresso
 
 def zstd_pack(a: np.ndarray) -> torch.Tensor:
     """Any contiguous numpy array -> zstd frame as uint8 tensor [bytes] (CPU)."""
-    frame = zstd_contexts()[0].compress(np.ascontiguousarray(a))
+    frame = zstd_contexts()[0].compress(np.ascontiguousarray(a).data)
     return torch.frombuffer(bytearray(frame), dtype=torch.uint8) if frame else torch.zeros(0, dtype=torch.uint8)
 
 
@@ -53,11 +53,11 @@ def zstd_unpack(section: torch.Tensor | np.ndarray, nbytes: int, what: str, limi
     uint8 numpy array; anything else raises EbFormatError before a large buffer is allocated."""
     data = section if isinstance(section, np.ndarray) else section.cpu().numpy()  # read in place by zstd
     try:
-        size = zstandard.frame_content_size(data)
+        size = zstandard.frame_content_size(data.data)
         cap = nbytes if nbytes >= 0 else limit
         if size < 0 or size > cap or (nbytes >= 0 and size != nbytes):
             raise EbFormatError(f"eb: {what} stream declares {size} bytes, expected {nbytes if nbytes >= 0 else cap}")
-        out = zstd_contexts()[1].decompress(data, max_output_size=max(cap, 1))
+        out = zstd_contexts()[1].decompress(data.data, max_output_size=max(cap, 1))
     except zstandard.ZstdError as e:
         raise EbFormatError(f"eb: {what} stream does not decompress ({e})") from e
     if len(out) != size:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -187,7 +188,8 @@ def prepare_criteo(
             why = f"no valid rows ({skipped} bad rows skipped)"
             raise CriteoFormatError(", ".join(map(str, inputs)), None, None, None, why)
         if vocabs is not None:
-            np.savez(writer.tmp_dir / "vocab.npz", **dict(zip(SPARSE_NAMES, vocabs, strict=True)))
+            arrays: dict[str, Any] = dict(zip(SPARSE_NAMES, vocabs, strict=True))
+            np.savez(writer.tmp_dir / "vocab.npz", **arrays)
         writer.info.update(
             {
                 "source": "criteo",

@@ -31,6 +31,7 @@ import datetime as dt
 import math
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,7 +224,8 @@ def schema_from_dict(values: dict[str, Any], origin: str = "schema") -> Schema:
             raise SchemaError(
                 f"{origin}: unknown section {key!r} (valid: columns, dense, label, source, sparse, split)"
             )
-    for spec in [*sch.dense, *sch.sparse]:
+    specs: list[DenseSpec | SparseSpec] = [*sch.dense, *sch.sparse]
+    for spec in specs:
         spec.column = spec.column or spec.name
     validate_schema(sch)
     return sch
@@ -261,7 +263,8 @@ def validate_schema(sch: Schema) -> None:
     if lab.min is not None and lab.max is not None and lab.min > lab.max:
         raise bad(f"label: min {lab.min} is above max {lab.max}")
     names: dict[str, str] = {}
-    for kind, specs in (("dense", sch.dense), ("sparse", sch.sparse)):
+    kinds: tuple[tuple[str, Sequence[DenseSpec | SparseSpec]], ...] = (("dense", sch.dense), ("sparse", sch.sparse))
+    for kind, specs in kinds:
         for i, s in enumerate(specs):
             if not s.name or not _NAME.match(s.name):
                 raise bad(f"{kind}[{i}]: name {s.name!r} must be letters, digits, '_' or '-'")

@@ -190,7 +190,7 @@ def generate(
                     ("example_id", rows.index),
                 ):
                     cols[k].append(v)
-            chunk = {k: np.concatenate(v) for k, v in cols.items()}
+            chunk: dict[str, Any] = {k: np.concatenate(v) for k, v in cols.items()}
             clicks += int(chunk["labels"].sum())
             writer.write(**chunk)
             bar.update(stop - start)

@@ -141,8 +141,9 @@ class CostModel:
         self.batch = batch_size_per_rank
         self.config = config or CostConfig()
 
-    def link(self, bytes_per_peer: float) -> float:
-        """Seconds to move ``bytes_per_peer`` to or from every other rank."""
+    def link(self, bytes_per_peer: Any) -> Any:
+        """Seconds to move ``bytes_per_peer`` to or from every other rank (a float, or elementwise over an
+        array of per-shard bytes)."""
         t = self.topology
         return ((t.devices_per_node - 1) * bytes_per_peer / t.intra_bw
                 + (t.world_size - t.devices_per_node) * bytes_per_peer / t.inter_bw)

@@ -114,8 +114,14 @@ class _Search:
         for r in ranks.tolist():
             self.on_rank[r].add(t)
 
+    def placed(self, t: int) -> tuple[int, np.ndarray]:
+        """(option, ranks) of table ``t``, which is placed."""
+        choice = self.choice[t]
+        assert choice is not None, f"table {t} is not placed"
+        return choice
+
     def remove(self, t: int) -> tuple[int, np.ndarray]:
-        o, ranks = self.choice[t]
+        o, ranks = self.placed(t)
         opt = self.options[t][o]
         self.load[ranks] -= opt.cost
         self.free[ranks] += opt.hbm
@@ -146,9 +152,9 @@ class _Search:
             return ranks
         best, best_max = None, np.inf  # memory is tight on every node: shard by shard
         for cand in self.node_ranks:
-            ranks = self._pick(opt, cand)
-            if ranks is not None and (m := float((self.load[ranks] + opt.cost).max())) < best_max:
-                best, best_max = ranks, m
+            picked = self._pick(opt, cand)
+            if picked is not None and (m := float((self.load[picked] + opt.cost).max())) < best_max:
+                best, best_max = picked, m
         return best
 
     def _pick(self, opt: Option, cand: np.ndarray) -> np.ndarray | None:
@@ -185,7 +191,7 @@ class _Search:
             cur_max, cur_sum = float(self.load.max()), float(self.load.sum())
             for coarse_only in ((True, False) if max_shards else (False,)):
                 for o, opt in enumerate(self.options[t]):
-                    if coarse_only and opt.k > max_shards and opt.sharding != "data_parallel":
+                    if coarse_only and max_shards and opt.k > max_shards and opt.sharding != "data_parallel":
                         continue
                     ranks = self.place(opt)
                     if ranks is None:
@@ -269,14 +275,15 @@ class _Search:
         return False
 
     def _cost_on(self, t: int, r: int) -> float:
-        o, ranks = self.choice[t]
+        o, ranks = self.placed(t)
         return float(self.options[t][o].cost[ranks == r].sum())
 
     def _swap(self, r: int) -> bool:
         """Swap a shard on rank r with a cheaper shard of another table elsewhere, lowering both below
         r's load. True if a swap was made."""
         parts: list[tuple[np.ndarray, ...]] = []  # per table: table, shard index, rank, cost, hbm, is trw
-        for t, (o, ranks) in enumerate(self.choice):
+        for t in range(len(self.choice)):
+            o, ranks = self.placed(t)
             opt = self.options[t][o]
             if opt.sharding != "data_parallel":
                 k = opt.k
@@ -391,7 +398,7 @@ def plan_sharding(
                         f"has {format_bytes(cap, decimal=True)}; allow more sharding types or add memory")
     entries = []
     for i, t in enumerate(tables):
-        o, ranks = best.choice[i]
+        o, ranks = best.placed(i)
         opt = options[i][o]
         entries.append(TableSharding(t.name, t.rows, t.dim, opt.sharding, ranks.tolist(),
                                      {int(r): int(b) for r, b in zip(ranks, opt.hbm, strict=True)}))
@@ -406,7 +413,8 @@ def _search(options: list[list[Option]], topology: Topology, time_limit_s: float
     start = time.perf_counter()
     deadline = start + time_limit_s
     by_cost = np.argsort(-cheapest, kind="stable").tolist()
-    starts = [(by_cost, m) for m in _granularities(W)] + [(np.argsort(-footprint, kind="stable").tolist(), None)]
+    starts: list[tuple[list[int], int | None]] = [(by_cost, m) for m in _granularities(W)]
+    starts.append((np.argsort(-footprint, kind="stable").tolist(), None))
     rng = np.random.default_rng(0)
     caps = _granularities(W) + [None]
     for _ in range(restarts):  # shuffled cost order (noise on the sort key), random shard-count cap
@@ -446,10 +454,15 @@ def _granularities(world_size: int) -> list[int]:
     return caps + [world_size]
 
 
+def _smallest(opts: list[Option]) -> int:
+    """The option of least peak memory (then least total cost)."""
+    return min(range(len(opts)), key=lambda o: (opts[o].max_hbm, opts[o].total))
+
+
 def _spread(options: list[list[Option]], topology: Topology) -> _Search | None:
     """Every table with its smallest-footprint option, largest first; None if even that does not fit."""
     search = _Search(options, topology)
-    picks = [min(range(len(opts)), key=lambda o, opts=opts: (opts[o].max_hbm, opts[o].total)) for opts in options]
+    picks = [_smallest(opts) for opts in options]
     for t in sorted(range(len(options)), key=lambda t: -options[t][picks[t]].hbm.sum()):
         ranks = search.place(options[t][picks[t]])
         if ranks is None:

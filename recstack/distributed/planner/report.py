@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 
 from recstack.distributed.planner.cost import CostModel
 from recstack.distributed.planner.types import ShardingPlan, TableSpec
 from recstack.units import format_bytes
+
+T = TypeVar("T")
 
 
 def format_seconds(s: float) -> str:
@@ -42,11 +45,17 @@ def format_ranks(ranks: Sequence[int], world_size: int) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _table(header: Sequence[str], rows: list[Sequence[str]], right: set[int]) -> list[str]:
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]], right: set[int]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     fmt = [(str.rjust if i in right else str.ljust) for i in range(len(header))]
     return ["  ".join(f(str(x), w) for f, x, w in zip(fmt, row, widths, strict=True)).rstrip()
             for row in [header, *rows]]
+
+
+def _known(x: T | None) -> T:
+    """A field that a hand-written plan may leave out and that every plan the planner makes has."""
+    assert x is not None, "the report needs a plan with the planner's estimates"
+    return x
 
 
 def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostModel, top: int = 30) -> str:
@@ -54,10 +63,10 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
     topo, W = plan.topology, plan.world_size
     specs = {t.name: t for t in tables}
     cost = plan.cost
-    params = sum(t.rows * t.dim for t in plan.tables)
+    params = sum(_known(t.rows) * _known(t.dim) for t in plan.tables)
     lines = [
         f"{len(plan.tables)} tables, {format_count(params)} parameters on {W} ranks; batch "
-        f"{plan.batch_size_per_rank} per rank ({plan.batch_size_per_rank * W} global)",
+        f"{plan.batch_size_per_rank} per rank ({_known(plan.batch_size_per_rank) * W} global)",
         f"topology: {topo.describe()}",
         "",
     ]

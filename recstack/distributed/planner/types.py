@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeGuard
 
 from recstack.distributed.sharding import SHARDING_TYPES, row_blocks
 from recstack.units import format_bytes
@@ -147,7 +147,7 @@ class TableSharding:
     memory_bytes_per_rank: dict[int, int] | None = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"name": self.name, "rows": self.rows, "dim": self.dim, "sharding": self.sharding,
+        d: dict[str, Any] = {"name": self.name, "rows": self.rows, "dim": self.dim, "sharding": self.sharding,
              "ranks": list(self.ranks)}
         if self.memory_bytes_per_rank is not None:
             d["memory_bytes_per_rank"] = {str(r): int(b) for r, b in self.memory_bytes_per_rank.items()}
@@ -165,7 +165,7 @@ class TableSharding:
         if unknown:
             raise PlanError(f"{where}: unknown field(s) {unknown} (known: {list(_TABLE_FIELDS)})")
         optional = () if estimates else ("rows", "dim", "memory_bytes_per_rank")
-        values = {k: d.get(k) if k in optional else _field(d, k, where) for k in _TABLE_FIELDS[1:]}
+        values: dict[str, Any] = {k: d.get(k) if k in optional else _field(d, k, where) for k in _TABLE_FIELDS[1:]}
         if not isinstance(values["ranks"], list):
             raise PlanError(f"{where}: field 'ranks' must be a list of ranks, got {values['ranks']!r}")
         memory = values["memory_bytes_per_rank"]
@@ -198,7 +198,7 @@ def _field(d: dict[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -325,7 +325,7 @@ def _validate_entry(t: TableSharding, where: str, topo: Topology, rows: int | No
     if not isinstance(t.name, str) or not t.name:
         raise PlanError(f"{where}: field 'name' must be a non-empty string")
     for name, value in (("rows", rows), ("dim", dim)):
-        if (value is not None or estimates) and not (_is_int(value) and value > 0):  # type: ignore[operator]
+        if (value is not None or estimates) and not (_is_int(value) and value > 0):
             raise PlanError(f"{where}: field '{name}' must be a positive integer, got {value!r}")
     if t.sharding not in SHARDING_TYPES:
         raise PlanError(f"{where}: field 'sharding': unknown sharding {t.sharding!r} "

@@ -80,7 +80,8 @@ class _CacheLog:
     """``pop()`` -> cache counters over all tables since the last pop (the trainer logs them per step)."""
 
     def __init__(self, counters: CacheCounters) -> None:
-        self._counters, self._last = counters, {}
+        self._counters = counters
+        self._last: dict[str, float] = {}
 
     def pop(self) -> dict[str, float]:
         now = self._counters.totals()
@@ -94,6 +95,9 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
     """Pooled lookups [B, F, D] over tables placed on device, host-cached or ssd-cached tiers."""
 
     stores_rows_in_files = True
+    # buffers, declared for the type checker (nn.Module's __getattr__ would type them Tensor | Module)
+    weight: torch.Tensor  # [R, D]
+    accumulator: torch.Tensor | None  # [R]
 
     def __init__(
         self,
@@ -398,9 +402,10 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
         exclude = torch.cat([k for k, _ in self._staged]) if self._staged else None
         if self._pool is None:  # its thread works on this collection's GPU (a new thread's current one is cuda:0)
             on_gpu = self.device.type == "cuda"
+            # typeshed ties initializer and initargs by their types; a conditional pair does not type
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="embedding-prefetch",
-                                            initializer=torch.cuda.set_device if on_gpu else None,
-                                            initargs=(self.device,) if on_gpu else ())
+                                            initializer=torch.cuda.set_device if on_gpu else None,  # type: ignore[arg-type]
+                                            initargs=(self.device,) if on_gpu else ())  # type: ignore[arg-type]
         self._pending = self._pool.submit(self._prefetch, hint, exclude)
 
     def _prefetch(self, hint: _Hint, exclude: torch.Tensor | None) -> None:

@@ -118,7 +118,7 @@ class TableFilesMixin:
                 for r0 in range(0, t.num_embeddings, CHUNK_ROWS):
                     n = min(CHUNK_ROWS, t.num_embeddings - r0)
                     rec = torch.empty(n, self.width)
-                    if f.readinto(memoryview(rec.numpy()).cast("B")) != n * self.width * 4:
+                    if f.readinto(rec.numpy().data.cast("B")) != n * self.width * 4:
                         raise ValueError(f"{path}: truncated at row {r0}")
                     self._scatter(torch.arange(r0, r0 + n) + self._offsets[i], rec)
         self._restored()
@@ -183,7 +183,7 @@ def read_table_files(
         path, rows = Path(directory) / t["file"], int(t["rows"])
         check_table_file(path, rows, width)
         with open(path, "rb") as f:
-            if f.readinto(memoryview(records[r0 : r0 + rows].numpy()).cast("B")) != rows * width * 4:
+            if f.readinto(records[r0 : r0 + rows].numpy().data.cast("B")) != rows * width * 4:
                 raise ValueError(f"{path}: truncated")
         r0 += rows
     weight = records[:, :d].contiguous()

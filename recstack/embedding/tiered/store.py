@@ -151,7 +151,7 @@ class HostStore(RowStore):
         step = _chunk_rows(self.width)
         with open(path, "rb") as f:
             for r in range(0, self.num_rows, step):
-                view = memoryview(self.data[r : r + step].numpy()).cast("B")
+                view = self.data[r : r + step].numpy().data.cast("B")
                 if f.readinto(view) != len(view):
                     raise ValueError(f"{path}: truncated at row {r}")
 
@@ -176,12 +176,17 @@ class SSDStore(RowStore):
         # int32 while every record index fits (a file of at most 2 + compact_ratio tables), else int64
         max_records = int(num_rows * (2 + compact_ratio)) + 1
         self._loc_dtype = torch.int32 if max_records < 2**31 else torch.int64
-        self._file = None
+        self._file: BinaryIO | None = None
         self._reset(self._new_file())
 
     @property
     def rb(self) -> int:
         return 4 * self.width  # bytes per record
+
+    @property
+    def _fd(self) -> int:
+        assert self._file is not None, "the store is closed"
+        return self._file.fileno()
 
     def _new_file(self) -> BinaryIO:
         return tempfile.TemporaryFile(dir=self.directory, prefix="recstack-table-")
@@ -201,8 +206,8 @@ class SSDStore(RowStore):
         loc = self.location[ids].to(torch.int64)
         loc, order = torch.sort(loc)
         buf = torch.empty(n, self.width)
-        view = memoryview(buf.numpy()).cast("B")
-        rb, fd = self.rb, self._file.fileno()
+        view = buf.numpy().data.cast("B")
+        rb, fd = self.rb, self._fd
         runs = _runs(loc)
 
         def read_runs(part: list[tuple[int, int, int]]) -> None:
@@ -221,7 +226,7 @@ class SSDStore(RowStore):
         n = ids.numel()
         if n == 0:
             return
-        _pwrite_all(self._file.fileno(), memoryview(records.contiguous().numpy()).cast("B"), self.end * self.rb)
+        _pwrite_all(self._fd, records.contiguous().numpy().data.cast("B"), self.end * self.rb)
         self.location[ids] = torch.arange(self.end, self.end + n, dtype=self._loc_dtype)
         self.end += n
         if self.end - self.num_rows > self.compact_ratio * self.num_rows:
@@ -238,7 +243,7 @@ class SSDStore(RowStore):
         new = self._new_file()
         off = 0
         for c in self._chunks():
-            _pwrite_all(new.fileno(), memoryview(c.numpy()).cast("B"), off)
+            _pwrite_all(new.fileno(), c.numpy().data.cast("B"), off)
             off += c.numel() * 4
         self._reset(new)
         self.compactions += 1
@@ -246,8 +251,8 @@ class SSDStore(RowStore):
     def fill(self, chunks: Iterator[torch.Tensor]) -> None:
         off = 0
         for c in chunks:
-            buf = memoryview(c.contiguous().numpy()).cast("B")
-            _pwrite_all(self._file.fileno(), buf, off)
+            buf = c.contiguous().numpy().data.cast("B")
+            _pwrite_all(self._fd, buf, off)
             off += len(buf)
         self.location = torch.arange(self.num_rows, dtype=self._loc_dtype)
         self.end = self.num_rows
@@ -255,7 +260,7 @@ class SSDStore(RowStore):
     def save(self, path: Path) -> None:
         with open_synced(path) as f:
             if self.end == self.num_rows and bool((self.location == torch.arange(self.num_rows)).all()):
-                copy_file_range_all(self._file.fileno(), f.fileno(), self.nbytes)  # still in row order
+                copy_file_range_all(self._fd, f.fileno(), self.nbytes)  # still in row order
             else:
                 for c in self._chunks():
                     f.write(memoryview(c.numpy()).cast("B"))

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.errors import ConfigError
 from recstack.training.logger import METRICS_FILE, TB_DIR
+
+if TYPE_CHECKING:
+    pass
 
 # What a run writes into its --output-dir that a later run into the same directory would mix with its own
 # (generated data under data/ is a cache keyed by its options and stays).
