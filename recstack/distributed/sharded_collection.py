@@ -211,11 +211,6 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             self.replicated = ReplicatedEmbeddingBagCollection(cfgs, self.optimizer.config, whole, self.device,
                                                                self.dp_group, self.stats)
 
-    def local_collections(self) -> list[FusedEmbeddingBagCollection]:
-        """This rank's local tables: one collection per shard dim (``self.groups``; an nn.ModuleDict, whose values
-        torch types as Module)."""
-        return [cast(FusedEmbeddingBagCollection, c) for c in self.groups.values()]
-
     # -- forward -----------------------------------------------------------------------------------------
     def input_dist(self, sparse: SparseFeatures, group: dist.ProcessGroup | None = None) -> RoutedIds:
         """Collective on ``group`` (default: the forward's own): send each pair's ids of this rank's samples to
