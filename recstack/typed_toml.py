@@ -88,19 +88,24 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def read_toml(path: str | Path, what: str, error: type[Exception]) -> dict[str, Any]:
+    """The table of the TOML file at ``path``; a missing file or invalid TOML raises ``error`` naming the file
+    (``what``: how the message calls it, e.g. "config file")."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{what} {p} not found")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"{p}: invalid TOML: {e}") from e
+
+
 def load_into(cfg: Any, path: str | Path | None, overrides: list[str] | None) -> Any:
     """Fill the config dataclass ``cfg`` from the TOML file at ``path``, then from each ``section.key=value``
     override in order; returns ``cfg``. An override that reaches into a free-form table (a ``dict`` field such
     as ``data.synth``) sets that one key and keeps the table's others."""
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} not found")
-        try:
-            values = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: invalid TOML: {e}") from e
-        fill(cfg, values, str(p))
+        fill(cfg, read_toml(path, "config file", ConfigError), str(path))
     for text in overrides or []:
         keys, value = parse_override(text)
         if not _set_in_table(cfg, keys, value, text):

@@ -30,13 +30,13 @@ import dataclasses
 import datetime as dt
 import math
 import re
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from recstack.data.prepare.columns import text_to_seconds
+from recstack.typed_toml import read_toml
 
 FORMATS = ("parquet", "csv", "tsv", "libfm")
 TRANSFORMS = ("none", "log1p", "standardize")
@@ -232,14 +232,7 @@ def schema_from_dict(values: dict[str, Any], origin: str = "schema") -> Schema:
 
 
 def load_schema(path: str | Path) -> Schema:
-    p = Path(path)
-    if not p.is_file():
-        raise SchemaError(f"schema file {p} not found")
-    try:
-        values = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise SchemaError(f"{p}: invalid TOML: {e}") from e
-    return schema_from_dict(values, str(p))
+    return schema_from_dict(read_toml(path, "schema file", SchemaError), str(Path(path)))
 
 
 def validate_schema(sch: Schema) -> None:
