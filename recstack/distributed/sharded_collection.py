@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -386,7 +387,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             assert self.replicated is not None  # it holds every data-parallel table
             return self.replicated.table_weight(name).clone()
         parts = []
-        for coll in self.groups.values():
+        for m in self.groups.values():
+            coll = cast(EmbeddingCollection, m)  # a ModuleDict of local collections: torch types its values Module
             for tc in coll.tables:
                 if tc.name.startswith(f"{name}.shard"):
                     si = int(tc.name.rsplit("shard", 1)[1])
