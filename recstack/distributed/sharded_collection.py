@@ -33,6 +33,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from recstack.compression.base import Codec
 from recstack.data.batch import SparseFeatures
 from recstack.distributed import grad_aggregation as ga
 from recstack.distributed.comm import CommStats, PooledExchange, all_to_all_variable
@@ -128,8 +129,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         placements: list[tuple[str, list[int]]],
         seed: int = 0,
         device: torch.device | str = "cpu",
-        forward_codec: str = "fp32",
-        backward_codec: str = "fp32",
+        forward_codec: str | Codec = "fp32",
+        backward_codec: str | Codec = "fp32",
         ranks_per_node: int | None = None,
         aggregate_gradients: bool = False,
         local_collection: LocalCollection = fused_local,
