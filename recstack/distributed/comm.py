@@ -125,8 +125,8 @@ class PooledExchange:
         send_shapes: list[list[tuple[int, int]]],
         recv_shapes: list[list[tuple[int, int]]],
         group: dist.ProcessGroup | None,
-        forward_codec: str = "fp32",
-        backward_codec: str = "fp32",
+        forward_codec: str | Codec = "fp32",
+        backward_codec: str | Codec = "fp32",
         stats: CommStats | None = None,
     ) -> None:
         self.send_shapes, self.recv_shapes = send_shapes, recv_shapes

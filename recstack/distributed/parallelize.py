@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from recstack.compression.base import Codec
 from recstack.distributed.comm import CommStats
 from recstack.distributed.config import DistConfig
 from recstack.distributed.planner.types import PlanError, PlanPlacements, ShardingPlan, Topology
@@ -57,8 +58,8 @@ def shard_model(
     placements: list[tuple[str, list[int]]],
     seed: int,
     device: torch.device,
-    forward_codec: str = "fp32",
-    backward_codec: str = "fp32",
+    forward_codec: str | Codec = "fp32",
+    backward_codec: str | Codec = "fp32",
     ranks_per_node: int | None = None,
     aggregate_gradients: bool = False,
 ) -> DLRM:

@@ -28,10 +28,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
+from recstack.compression.base import Codec
 from recstack.data.batch import SparseFeatures
 from recstack.distributed import grad_aggregation as ga
 from recstack.distributed.comm import CommStats, PooledExchange, all_to_all_variable
@@ -127,8 +129,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         placements: list[tuple[str, list[int]]],
         seed: int = 0,
         device: torch.device | str = "cpu",
-        forward_codec: str = "fp32",
-        backward_codec: str = "fp32",
+        forward_codec: str | Codec = "fp32",
+        backward_codec: str | Codec = "fp32",
         ranks_per_node: int | None = None,
         aggregate_gradients: bool = False,
         local_collection: LocalCollection = fused_local,
@@ -386,7 +388,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             assert self.replicated is not None  # it holds every data-parallel table
             return self.replicated.table_weight(name).clone()
         parts = []
-        for coll in self.groups.values():
+        for m in self.groups.values():
+            coll = cast(EmbeddingCollection, m)  # a ModuleDict of local collections: torch types its values Module
             for tc in coll.tables:
                 if tc.name.startswith(f"{name}.shard"):
                     si = int(tc.name.rsplit("shard", 1)[1])

@@ -25,7 +25,7 @@ class _FusedLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, module, rows, offsets, per_sample_weights):  # type: ignore[override]
+    def forward(ctx, anchor, module, rows, offsets, per_sample_weights):
         out = F.embedding_bag(
             rows, module.weight, offsets, mode="sum", per_sample_weights=per_sample_weights,
             include_last_offset=True,
@@ -35,7 +35,7 @@ class _FusedLookup(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         rows, offsets, psw = ctx.saved_tensors
         module: FusedEmbeddingBagCollection = ctx.module
         # grad_out [bags, D]; each id receives the gradient of the bag it was pooled into.
@@ -59,6 +59,12 @@ class FusedEmbeddingBagCollection(EmbeddingCollection):
     Row offsets per table turn a feature's local id into a row of the concatenated weight, so the whole
     batch is looked up and updated with a constant number of kernels instead of one per table.
     """
+
+    # buffers, declared for the type checker (nn.Module's __getattr__ would type them Tensor | Module)
+    weight: torch.Tensor  # [R, D]
+    accumulator: torch.Tensor | None  # [R]
+    table_offsets: torch.Tensor  # [T + 1]
+    feature_offsets: torch.Tensor  # [F]
 
     def __init__(
         self,

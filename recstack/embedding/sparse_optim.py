@@ -31,12 +31,17 @@ class SparseOptimizerConfig:
 
 class SparseOptimFields(Protocol):
     """The fields of the training section (``[optim]``, ``OptimConfig``) the sparse optimizer reads: a lower
-    layer cannot import that section, it names what it needs."""
+    layer cannot import that section, it names what it needs. Read-only properties: the section may narrow
+    them (``sparse`` is a Literal there), which a mutable protocol field would not accept."""
 
-    sparse: str
-    sparse_lr: float
-    eps: float
-    adagrad_init: float
+    @property
+    def sparse(self) -> str: ...
+    @property
+    def sparse_lr(self) -> float: ...
+    @property
+    def eps(self) -> float: ...
+    @property
+    def adagrad_init(self) -> float: ...
 
 
 def sparse_optimizer_config(optim: SparseOptimFields) -> SparseOptimizerConfig:

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from recstack.data.loader import BatchLoader
 from recstack.data.sources import prepare_data
 from recstack.distributed import parallelize
 from recstack.distributed.pipeline import InputPipeline
+from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.errors import PeerFailure
 from recstack.models.build import build_model
@@ -139,7 +140,8 @@ class Trainer:
         fwd, bwd = self.compression.codecs()  # names, or configured error-bounded codecs for "eb"
         parallelize.shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn,
                                 d.aggregate_gradients)
-        self.net = parallelize.wrap_ddp(self.model, self.device, self.model.embeddings.stats)
+        sharded = cast(ShardedEmbeddingCollection, self.model.embeddings)  # shard_model put it there
+        self.net = parallelize.wrap_ddp(self.model, self.device, sharded.stats)
 
     @property
     def step(self) -> int:

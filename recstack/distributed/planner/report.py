@@ -75,7 +75,8 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
         per_table.append((float(model.estimate(specs[e.name], e.sharding, len(e.ranks)).cost.max()), e))
     shown = per_table if len(per_table) <= top else sorted(per_table, key=lambda x: -x[0])[:top]
     rows = [(e.name, f"{e.rows:,}", e.dim, e.sharding, format_ranks(e.ranks, W),
-             format_bytes(max(e.memory_bytes_per_rank.values()), decimal=True), format_seconds(c)) for c, e in shown]
+             format_bytes(max(_known(e.memory_bytes_per_rank).values()), decimal=True), format_seconds(c))
+            for c, e in shown]
     if len(shown) < len(per_table):
         lines.append(f"the {len(shown)} costliest of {len(per_table)} tables:")
     lines += _table(("table", "rows", "dim", "sharding", "ranks", "memory/rank", "cost/rank"), rows, {1, 2, 5, 6})
@@ -83,11 +84,11 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
     by_type: dict[str, list] = {}
     for c, e in per_table:
         by_type.setdefault(e.sharding, []).append((c, e))
-    rows = [(kind, len(group), format_count(sum(e.rows * e.dim for _, e in group)),
-             format_bytes(sum(sum(e.memory_bytes_per_rank.values()) for _, e in group), decimal=True),
-             f"{Counter(len(e.ranks) for _, e in group).most_common(1)[0][0]}")
-            for kind, group in sorted(by_type.items())]
-    lines += _table(("sharding", "tables", "parameters", "memory (all ranks)", "typical #ranks"), rows, {1, 2, 3, 4})
+    kinds = [(kind, len(group), format_count(sum(_known(e.rows) * _known(e.dim) for _, e in group)),
+              format_bytes(sum(sum(_known(e.memory_bytes_per_rank).values()) for _, e in group), decimal=True),
+              f"{Counter(len(e.ranks) for _, e in group).most_common(1)[0][0]}")
+             for kind, group in sorted(by_type.items())]
+    lines += _table(("sharding", "tables", "parameters", "memory (all ranks)", "typical #ranks"), kinds, {1, 2, 3, 4})
     lines.append("")
 
     load = np.array(cost["per_rank"])
@@ -109,9 +110,10 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
                         {1, 2, 3, 4, 5})
         ranks = np.argsort(-load, kind="stable")[:5].tolist()
         lines += ["", "slowest ranks:"]
-    rows = [(r, topo.node_of(r), shards[r], format_bytes(hbm[r], decimal=True), f"{100 * hbm[r] / topo.hbm_bytes:.0f}%",
-             format_seconds(load[r] - comm[r]), format_seconds(comm[r]), format_seconds(load[r])) for r in ranks]
-    lines += _table(("rank", "node", "shards", "memory", "of HBM", "compute", "comm", "cost"), rows,
+    rank_rows = [(r, topo.node_of(r), shards[r], format_bytes(hbm[r], decimal=True),
+                  f"{100 * hbm[r] / topo.hbm_bytes:.0f}%", format_seconds(load[r] - comm[r]),
+                  format_seconds(comm[r]), format_seconds(load[r])) for r in ranks]
+    lines += _table(("rank", "node", "shards", "memory", "of HBM", "compute", "comm", "cost"), rank_rows,
                     {0, 1, 2, 3, 4, 5, 6, 7})
     lines += ["", f"predicted step cost: max {format_seconds(cost['max'])} (rank {int(load.argmax())}), "
                   f"mean {format_seconds(cost['mean'])}, imbalance {cost['imbalance']:.3f} (max / mean)"]

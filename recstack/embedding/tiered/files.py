@@ -83,7 +83,7 @@ class TableFilesMixin:
             return
         with open_synced(path) as f:
             for rec in self._records(i):
-                f.write(memoryview(rec.numpy()))
+                f.write(rec.numpy().data)
 
     def get_extra_state(self) -> dict[str, Any]:
         return {

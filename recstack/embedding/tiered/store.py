@@ -144,7 +144,7 @@ class HostStore(RowStore):
         step = _chunk_rows(self.width)
         with open_synced(path) as f:
             for r in range(0, self.num_rows, step):
-                f.write(memoryview(self.data[r : r + step].numpy()))
+                f.write(self.data[r : r + step].numpy().data)
 
     def load(self, path: Path) -> None:
         check_table_file(path, self.num_rows, self.width)
@@ -263,7 +263,7 @@ class SSDStore(RowStore):
                 copy_file_range_all(self._fd, f.fileno(), self.nbytes)  # still in row order
             else:
                 for c in self._chunks():
-                    f.write(memoryview(c.numpy()).cast("B"))
+                    f.write(c.numpy().data.cast("B"))
 
     def load(self, path: Path) -> None:
         check_table_file(path, self.num_rows, self.width)

@@ -11,7 +11,7 @@ it was, so a component's ``state_dict()`` is its part of the checkpoint's top-le
 from __future__ import annotations
 
 import random
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -168,7 +168,7 @@ class CompressionState:
 def rng_state() -> dict[str, Any]:
     """Python, NumPy legacy and torch (CPU, and CUDA when present) RNG states as weights_only-safe values."""
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state())  # legacy (the default): the tuple form; stubs say dict
     out: dict[str, Any] = {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
