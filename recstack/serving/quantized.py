@@ -1,0 +1,178 @@
+"""Row-wise quantized embedding tables and the inference collection that pools straight from them.
+
+Widths (``WIDTHS``) and their per-element error bound against the float32 row x (derivation in
+``docs/serving.md``):
+
+* ``fp32``: the rows as trained; exact.
+* ``fp16``: round to nearest half precision: |x^ - x| <= 2^-11 |x| (normal range), <= 2^-25 below 2^-14.
+* ``int8`` / ``int4``: asymmetric per row, L = 255 / 15 levels. The row's bias b is its minimum rounded *down*
+  to float16 and its scale s is (max - b) / L rounded *up* to float16, so every x of the row lies in
+  [b, b + L s]; code q = round((x - b) / s) in [0, L] (computed in float64) and x^ = q s + b (float32), so
+  |x^ - x| <= s / 2 + 2^-24 |x^| (the one float32 rounding of the dequantization). int4 codes are packed two
+  a byte, the even column in the low nibble.
+
+Scale and bias are float16 [rows, 2] (4 bytes a row), so a D-dimensional row takes D + 4 bytes in int8 and
+ceil(D / 2) + 4 in int4 against 4 D in float32.
+
+``QuantizedEmbeddingCollection`` pools (sum, optional per-sample weights) like the training collection: for
+each feature it gathers only the rows its ids name, dequantizes those, and one ``embedding_bag`` over the
+gathered rows sums the bags in the same order as the training lookup (so fp32 tables give the same sums).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from recstack.data.batch import SparseFeatures
+
+WIDTHS = ("fp32", "fp16", "int8", "int4")
+LEVELS = {"int8": 255, "int4": 15}
+FP16_MAX = 65504.0
+_CHUNK_ROWS = 1 << 18  # rows quantized at a time: bounded memory for any table size
+
+
+def bytes_per_row(width: str, dim: int) -> int:
+    """Bytes a row of ``dim`` values takes in ``width`` (scale and bias included)."""
+    return {"fp32": 4 * dim, "fp16": 2 * dim, "int8": dim + 4, "int4": (dim + 1) // 2 + 4}[width]
+
+
+def _fp16_toward(x: np.ndarray, direction: float) -> np.ndarray:
+    """float64 [n] -> float16 [n] rounded toward -inf (direction < 0) or +inf (direction > 0)."""
+    h = x.astype(np.float16)
+    off = (h.astype(np.float64) > x) if direction < 0 else (h.astype(np.float64) < x)
+    h[off] = np.nextafter(h[off], np.float16(direction * np.inf))
+    return h
+
+
+def quantize_rows(rows: np.ndarray, width: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """float32 [n, D] -> (data, scale_bias): fp32 / fp16 [n, D] and None, or codes uint8 [n, D] (int8) /
+    [n, ceil(D / 2)] (int4) and float16 [n, 2] (scale, bias). Raises ValueError for values fp16 cannot hold."""
+    if width not in WIDTHS:
+        raise ValueError(f"table width {width!r}: expected one of {', '.join(WIDTHS)}")
+    x = np.asarray(rows, np.float64)
+    if not np.isfinite(x).all():
+        raise ValueError("a row holds NaN or Inf")
+    if width == "fp32":
+        return np.asarray(rows, np.float32), None
+    if width != "fp32" and np.abs(x).max(initial=0.0) > FP16_MAX / 2:
+        raise ValueError(f"a value of magnitude {np.abs(x).max():g} does not fit float16 ({width} needs it)")
+    if width == "fp16":
+        return x.astype(np.float16), None
+    levels = LEVELS[width]
+    bias = _fp16_toward(x.min(axis=1, initial=np.inf) if x.shape[1] else np.zeros(len(x)), -1.0)
+    b64 = bias.astype(np.float64)
+    span = (x.max(axis=1, initial=-np.inf) if x.shape[1] else b64) - b64
+    scale = _fp16_toward(span / levels, 1.0)
+    scale[scale == 0] = np.float16(1.0)  # a constant row: every code is 0, any scale decodes it
+    s64 = scale.astype(np.float64)
+    codes = np.clip(np.rint((x - b64[:, None]) / s64[:, None]), 0, levels).astype(np.uint8)
+    if width == "int4":
+        if codes.shape[1] % 2:
+            codes = np.concatenate([codes, np.zeros((len(codes), 1), np.uint8)], axis=1)
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return codes, np.stack([scale, bias], axis=1)
+
+
+def dequantize(data: torch.Tensor, scale_bias: torch.Tensor | None, width: str, dim: int) -> torch.Tensor:
+    """Gathered rows of one width -> float32 [n, dim]."""
+    if width == "fp32":
+        return data
+    if width == "fp16":
+        return data.float()
+    if width == "int4":
+        data = torch.stack([data & 15, data >> 4], dim=2).view(data.shape[0], -1)[:, :dim]
+    sb = scale_bias.float()  # type: ignore[union-attr]
+    return torch.addcmul(sb[:, 1:], data.float(), sb[:, :1])
+
+
+def write_table(weight: torch.Tensor, width: str, data_path: Path, sb_path: Path) -> dict[str, int]:
+    """Quantize a float32 table [rows, D] chunk by chunk into ``.npy`` files (``sb_path`` only for int8/int4).
+    -> {"bytes": bytes of the quantized rows, scale and bias included}."""
+    rows, dim = weight.shape
+    data = sb = None
+    for lo in range(0, max(rows, 1), _CHUNK_ROWS):
+        chunk = weight[lo : lo + _CHUNK_ROWS].detach().float().cpu().numpy()
+        q, s = quantize_rows(chunk, width)
+        if data is None:
+            data = np.lib.format.open_memmap(data_path, mode="w+", dtype=q.dtype, shape=(rows, *q.shape[1:]))
+            if s is not None:
+                sb = np.lib.format.open_memmap(sb_path, mode="w+", dtype=s.dtype, shape=(rows, 2))
+        data[lo : lo + len(q)] = q
+        if sb is not None and s is not None:
+            sb[lo : lo + len(s)] = s
+    for a in (data, sb):
+        if a is not None:
+            a.flush()
+    return {"bytes": rows * bytes_per_row(width, dim)}
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """A read-only memory map as a tensor (never written to: torch's warning about that does not apply)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+class QuantizedTable:
+    """One table's rows in one width, memory-mapped (shared by every process that maps the file) or copied
+    to ``device``."""
+
+    def __init__(self, name: str, width: str, dim: int, data: np.ndarray, scale_bias: np.ndarray | None,
+                 device: torch.device | str = "cpu") -> None:
+        if width not in WIDTHS:
+            raise ValueError(f"table {name!r}: width {width!r} is not one of {', '.join(WIDTHS)}")
+        if (scale_bias is None) != (width in ("fp32", "fp16")):
+            raise ValueError(f"table {name!r}: {width} rows {'need' if scale_bias is None else 'take no'} scale/bias")
+        self.name, self.width, self.dim = name, width, dim
+        self.num_rows = int(data.shape[0])
+        device = torch.device(device)
+        self.data = _tensor(data) if device.type == "cpu" else _tensor(data).to(device)
+        self.scale_bias = None if scale_bias is None else _tensor(scale_bias).to(device)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [n] int64 in [0, num_rows) -> dequantized rows float32 [n, D]."""
+        sb = self.scale_bias.index_select(0, ids) if self.scale_bias is not None else None
+        return dequantize(self.data.index_select(0, ids), sb, self.width, self.dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * bytes_per_row(self.width, self.dim)
+
+
+class QuantizedEmbeddingCollection:
+    """Pooled (sum) lookups of F features into quantized tables: ``SparseFeatures`` (F features, batch B)
+    -> [B, F, D] float32, as ``FusedEmbeddingBagCollection`` pools in eval mode. ``feature_table[f]``: the
+    index into ``tables`` of feature f's table (features may share one)."""
+
+    def __init__(self, tables: list[QuantizedTable], feature_table: list[int]) -> None:
+        dims = {t.dim for t in tables}
+        if len(dims) != 1:
+            raise ValueError(f"all tables need one embedding dim, got {sorted(dims)}")
+        self.tables, self.feature_table = tables, list(feature_table)
+        self.num_features, self.embedding_dim = len(feature_table), dims.pop()
+
+    def __call__(self, sparse: SparseFeatures) -> torch.Tensor:
+        if sparse.num_features != self.num_features:
+            raise ValueError(f"got {sparse.num_features} sparse features, the collection has {self.num_features}")
+        b, d, ids = sparse.batch_size, self.embedding_dim, sparse.ids
+        bounds = sparse.feature_bounds.tolist()
+        device = self.tables[0].data.device
+        rows = torch.empty(ids.numel(), d, dtype=torch.float32, device=device)  # the gathered rows, in id order
+        for f, t in enumerate(self.feature_table):
+            lo, hi = bounds[f], bounds[f + 1]
+            if hi > lo:
+                rows[lo:hi] = self.tables[t].lookup(ids[lo:hi])
+        # Bag i sums rows[offsets[i] : offsets[i + 1]]: the positions of its ids, in order, as in training.
+        pooled = F.embedding_bag(torch.arange(ids.numel(), device=device), rows, sparse.offsets.to(device),
+                                 mode="sum", per_sample_weights=sparse.weights, include_last_offset=True)
+        return pooled.view(self.num_features, b, d).transpose(0, 1)  # [F * B, D] -> [B, F, D]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tables' rows (scale and bias included)."""
+        return sum(t.nbytes for t in self.tables)
