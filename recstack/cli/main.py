@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from recstack.cli import exfm as exfm_cmd
     exfm_cmd.add_parser(sub)
+    from recstack.cli import serving as serving_cmd
+    serving_cmd.add_parsers(sub)
     return p
 
 

@@ -145,6 +145,7 @@ def write_artifact(out: str | Path, fill: Callable[[Path, int], dict[str, Any]])
             manifest = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "version": version, **manifest,
                         "files": file_entries(tmp)}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False) + "\n")
+            tmp.chmod(0o755)  # mkdtemp makes it private; serving workers of other users read it
             _fsync_tree(tmp)
             if target.exists():
                 raise FileExistsError(target)
