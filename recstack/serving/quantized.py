@@ -170,7 +170,9 @@ class QuantizedEmbeddingCollection:
         # Bag i sums rows[offsets[i] : offsets[i + 1]]: the positions of its ids, in order, as in training.
         pooled = F.embedding_bag(torch.arange(ids.numel(), device=device), rows, sparse.offsets.to(device),
                                  mode="sum", per_sample_weights=sparse.weights, include_last_offset=True)
-        return pooled.view(self.num_features, b, d).transpose(0, 1)  # [F * B, D] -> [B, F, D]
+        # [F * B, D] -> [B, F, D], contiguous: the exported program was traced on contiguous inputs, and
+        # a reshape there is a view that a transposed input cannot take.
+        return pooled.view(self.num_features, b, d).transpose(0, 1).contiguous()
 
     @property
     def nbytes(self) -> int:
