@@ -230,3 +230,20 @@ def test_the_program_archive_holds_nothing_pickled(tiny_run: Path, tmp_path: Pat
     torch.export.save(ep, tmp_path / "pickled.pt2")
     with pytest.raises(ArtifactError, match="pickled sample inputs"):
         check_program_pickle_free(tmp_path / "pickled.pt2")
+
+
+def test_an_exfm_vertical_models_serving_path_exports(tiny_run: Path, tiny_dataset: Path, tmp_path: Path) -> None:
+    """A VM with training-only heads (distillation head, student adapter): its serving path is exported."""
+    from recstack.exfm.config import DistillConfig
+    from recstack.exfm.vm import VerticalModel
+    from recstack.serving.export import export_model
+
+    cfg, body = load_model(tiny_run)
+    vm = VerticalModel(body, "aux_sa", DistillConfig()).eval()
+    ds = PreparedDataset(tiny_dataset)
+    path, _ = export_model(cfg, vm.serving_model(), ds, tmp_path / "vm")
+    m = ServingModel.load(path)
+    with torch.no_grad():
+        want = vm(ds.batch(0, 100)).numpy()
+    got = m.score(m.encode(encoded_rows(ds, 0, 100), ids=True)).numpy()
+    assert np.abs(got - want).max() <= 1e-6
