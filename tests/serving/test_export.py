@@ -5,6 +5,7 @@ damaged, and hold nothing pickled; bad requests raise RequestError naming the fi
 from __future__ import annotations
 
 import json
+import subprocess
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import torchrun
 
 from recstack.cli.main import main
 from recstack.config import load_config
@@ -247,3 +249,15 @@ def test_an_exfm_vertical_models_serving_path_exports(tiny_run: Path, tiny_datas
         want = vm(ds.batch(0, 100)).numpy()
     got = m.score(m.encode(encoded_rows(ds, 0, 100), ids=True)).numpy()
     assert np.abs(got - want).max() <= 1e-6
+
+
+@pytest.mark.slow
+def test_sharded_torchrun_checkpoint_exports(tiny_dataset: Path, tmp_path: Path) -> None:
+    """A torchrun run's step_<step>/ checkpoint (tables in DCP shards): load_model puts them together."""
+    args = [*torchrun(2), "train", "--output-dir", str(tmp_path / "run"), "--set", f'data.train="{tiny_dataset}"']
+    for o in [*SMALL, "train.max_steps=20", "train.batch_size=32"]:
+        args += ["--set", o]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert any(p.name.startswith("step_") for p in (tmp_path / "run" / "checkpoints").iterdir())
+    _check_fp32(tmp_path / "run", tiny_dataset, tmp_path / "model")
