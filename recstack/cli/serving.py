@@ -51,6 +51,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--workers", type=_at_least_1, default=1,
                    help="server processes sharing the port and the memory-mapped tables (default 1)")
+    s.add_argument("--threads", type=_at_least_1, default=1,
+                   help="torch threads per worker (default 1: small batches gain nothing from more, and the "
+                        "event loop needs a core; scale with --workers)")
     s.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:N")
     s.add_argument("--max-batch", type=_at_least_1, default=2048, help="rows per model call at most (default 2048)")
     s.add_argument("--max-wait-us", type=int, default=500,
@@ -77,8 +80,6 @@ def _at_least_1(text: str) -> int:
 
 def run_serve(args: argparse.Namespace) -> None:
     """``recstack serve``: check the flags, load (and verify) the model to serve, run until SIGTERM / SIGINT."""
-    import os
-
     from recstack.config import check_device_name
     from recstack.serving.artifact import MANIFEST, ArtifactError, list_versions
     from recstack.serving.model import ServingModel
@@ -101,9 +102,7 @@ def run_serve(args: argparse.Namespace) -> None:
     opts = ServeOptions(
         model_dir=str(model_dir or ""), device=args.device, max_batch=args.max_batch, max_wait_us=args.max_wait_us,
         max_rows=args.max_rows or args.max_batch, max_body_bytes=args.max_body_bytes, watch=args.watch,
-        watch_interval_s=args.watch_interval,
-        # the cores split between the workers, so that N processes do not oversubscribe them
-        threads=max(1, (os.cpu_count() or 1) // args.workers) if args.workers > 1 else 0,
+        watch_interval_s=args.watch_interval, threads=args.threads,
     )
     if args.workers > 1:
         model = None  # each worker loads its own (the tables are memory-mapped: one copy in the page cache)

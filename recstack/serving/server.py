@@ -57,7 +57,7 @@ class ServeOptions:
     max_body_bytes: int = 4 << 20
     watch: str | None = None
     watch_interval_s: float = 1.0
-    threads: int = 0  # torch threads of this process (0: torch's default)
+    threads: int = 1  # torch threads of each worker process
 
 
 class BadRequest(Exception):
@@ -239,8 +239,7 @@ def create_app(opts: ServeOptions, model: ServingModel | None = None) -> Starlet
 def app_from_env() -> Starlette:
     """uvicorn's app factory in each worker process of ``--workers N``: the options come in ``OPTIONS_ENV``."""
     opts = ServeOptions(**json.loads(os.environ[OPTIONS_ENV]))
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
+    torch.set_num_threads(opts.threads)
     return create_app(opts)
 
 
@@ -255,8 +254,7 @@ def serve(opts: ServeOptions, model: ServingModel | None, host: str, port: int, 
     common = {"host": host, "port": port, "access_log": False, "timeout_graceful_shutdown": 30,
               "log_level": "info"}
     if workers == 1:
-        if opts.threads:
-            torch.set_num_threads(opts.threads)
+        torch.set_num_threads(opts.threads)
         uvicorn.Server(uvicorn.Config(create_app(opts, model), **common)).run()
         return
     metrics_dir = tempfile.mkdtemp(prefix="recstack-serve-metrics-")
