@@ -8,7 +8,8 @@ holds three parts:
   interaction, top MLP), through ``torch.export`` with a dynamic batch dimension, saved as ``dense.pt2``
   without sample inputs (so that loading it unpickles nothing; see ``ServingModel``);
 * every table of the collection (after the QR split, i.e. quotient and remainder tables) quantized row-wise
-  to its width (``--tables`` for all, ``--table NAME=WIDTH`` for one);
+  to its width (``--tables`` for all, ``--table NAME=WIDTH`` for one), the tables of one width stacked in one
+  file;
 * the feature transforms of the prepared training data (``recstack.serving.transforms``).
 
 An ExFM vertical model is exported through :func:`export_model` with ``VerticalModel.serving_model()`` (its
@@ -32,7 +33,7 @@ from recstack.config import Config
 from recstack.data.format import PreparedDataset
 from recstack.models.dlrm import DLRM
 from recstack.serving.artifact import ArtifactError, write_artifact
-from recstack.serving.quantized import WIDTHS, bytes_per_row, write_table
+from recstack.serving.quantized import LEVELS, WIDTHS, bytes_per_row, open_group, write_table
 from recstack.serving.transforms import transforms_from_data
 from recstack.training.inference import check_data, load_model, run_directory
 
@@ -131,22 +132,32 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
     def fill(tmp: Path, version: int) -> dict[str, Any]:
         export_program(model, tmp / PROGRAM_FILE)
         (tmp / "tables").mkdir()
-        entries = []
-        fp32_bytes = 0
-        for i, t in enumerate(emb.tables):
+        # One file (and one scale/bias file) per width, the tables of that width stacked in table order: a
+        # lookup then gathers from one array per width, whatever the number of tables.
+        entries, files, offsets = [], {}, {}
+        for w in sorted(set(widths.values()), key=WIDTHS.index):
+            rows = sum(t.num_embeddings for t in emb.tables if widths[t.name] == w)
+            data_rel, sb_rel = f"tables/{w}.npy", f"tables/{w}.sb.npy" if w in LEVELS else None
+            codes, sb = open_group(w, rows, emb.embedding_dim, tmp / data_rel, tmp / sb_rel if sb_rel else Path())
+            files[w] = {"data": data_rel, "data_dtype": str(codes.dtype), "data_shape": list(codes.shape),
+                        "scale_bias": sb_rel, "maps": (codes, sb)}
+            offsets[w] = 0
+        for t in emb.tables:
             w = widths[t.name]
-            weight = emb.table_weight(t.name)
-            data_rel, sb_rel = f"tables/{i:03d}_{t.name}.npy", f"tables/{i:03d}_{t.name}.sb.npy"
+            codes, sb = files[w]["maps"]
             try:
-                size = write_table(weight, w, tmp / data_rel, tmp / sb_rel)
+                write_table(emb.table_weight(t.name), w, codes, sb, offsets[w])
             except ValueError as e:
                 raise ArtifactError(f"table {t.name!r}: cannot store it as {w}: {e}") from e
-            arr = np.load(tmp / data_rel, mmap_mode="r")
             entries.append({"name": t.name, "rows": t.num_embeddings, "dim": t.embedding_dim, "width": w,
-                            "features": list(t.features), "data": data_rel, "data_dtype": str(arr.dtype),
-                            "data_shape": list(arr.shape), "scale_bias": sb_rel if w in ("int8", "int4") else None,
-                            "bytes": size["bytes"]})
-            fp32_bytes += t.num_embeddings * bytes_per_row("fp32", t.embedding_dim)
+                            "features": list(t.features), "offset": offsets[w],
+                            "bytes": t.num_embeddings * bytes_per_row(w, t.embedding_dim)})
+            offsets[w] += t.num_embeddings
+        for f in files.values():
+            for a in f.pop("maps"):
+                if a is not None:
+                    a.flush()
+        fp32_bytes = sum(t.num_embeddings * bytes_per_row("fp32", t.embedding_dim) for t in emb.tables)
         doc, arrays = transforms_from_data(data)
         for rel, a in arrays.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -163,6 +174,7 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
                       "feature_table": list(emb.feature_table), "qr": qr},
             "features": feats,
             "tables": entries,
+            "table_files": files,
             "table_bytes": {"total": table_bytes, "fp32": fp32_bytes, "ratio": table_bytes / max(fp32_bytes, 1)},
             "dense_program": {"file": PROGRAM_FILE, "inputs": ["pooled", "dense"] if model.num_dense else ["pooled"],
                               "dynamic": {"batch": [1, None]}},

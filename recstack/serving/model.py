@@ -50,7 +50,7 @@ from recstack.data.batch import SparseFeatures
 from recstack.embedding.qr import QRSplit
 from recstack.models.build import table_configs
 from recstack.serving.artifact import ArtifactError, RequestError, read_manifest
-from recstack.serving.quantized import QuantizedEmbeddingCollection, QuantizedTable
+from recstack.serving.quantized import QuantizedEmbeddingCollection, QuantizedRows
 from recstack.serving.transforms import Bags, FeatureTransforms
 
 __all__ = ["ArtifactError", "EncodedBatch", "RequestError", "ServingModel", "load_program"]
@@ -134,13 +134,17 @@ class ServingModel:
         self.version = int(manifest["version"])
         m = manifest["model"]
         self.num_dense = int(m["num_dense"])
-        tables = []
-        for t in manifest["tables"]:
-            data = self._array(t["data"], t["data_shape"], t["data_dtype"])
-            sb = self._array(t["scale_bias"], [t["rows"], 2], "float16") if t.get("scale_bias") else None
-            tables.append(QuantizedTable(t["name"], t["width"], int(t["dim"]), data, sb, device))
-        self.tables = tables
-        self.collection = QuantizedEmbeddingCollection(tables, m["feature_table"])
+        groups, index = [], {}
+        for w, f in manifest["table_files"].items():
+            data = self._array(f["data"], f["data_shape"], f["data_dtype"])
+            sb = self._array(f["scale_bias"], [f["data_shape"][0], 2], "float16") if f["scale_bias"] else None
+            index[w] = len(groups)
+            groups.append(QuantizedRows(w, int(m["embedding_dim"]), data, sb, device))
+        tables = manifest["tables"]
+        slot = {f: t for t in tables for f in t["features"]}  # collection feature -> its table
+        feats = range(len(slot))
+        self.collection = QuantizedEmbeddingCollection(groups, [index[slot[f]["width"]] for f in feats],
+                                                       [slot[f]["offset"] for f in feats])
         self.qr: QRSplit | None = None
         if m.get("qr"):
             q, feats = m["qr"], manifest["features"]

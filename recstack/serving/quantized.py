@@ -90,25 +90,24 @@ def dequantize(data: torch.Tensor, scale_bias: torch.Tensor | None, width: str, 
     return torch.addcmul(sb[:, 1:], data.float(), sb[:, :1])
 
 
-def write_table(weight: torch.Tensor, width: str, data_path: Path, sb_path: Path) -> dict[str, int]:
-    """Quantize a float32 table [rows, D] chunk by chunk into ``.npy`` files (``sb_path`` only for int8/int4).
-    -> {"bytes": bytes of the quantized rows, scale and bias included}."""
-    rows, dim = weight.shape
-    data = sb = None
-    for lo in range(0, max(rows, 1), _CHUNK_ROWS):
-        chunk = weight[lo : lo + _CHUNK_ROWS].detach().float().cpu().numpy()
-        q, s = quantize_rows(chunk, width)
-        if data is None:
-            data = np.lib.format.open_memmap(data_path, mode="w+", dtype=q.dtype, shape=(rows, *q.shape[1:]))
-            if s is not None:
-                sb = np.lib.format.open_memmap(sb_path, mode="w+", dtype=s.dtype, shape=(rows, 2))
-        data[lo : lo + len(q)] = q
+def open_group(width: str, rows: int, dim: int, data_path: Path, sb_path: Path) -> tuple[np.ndarray, np.ndarray | None]:
+    """Create the ``.npy`` files of one width group of ``rows`` rows (every table of that width, stacked):
+    -> writable memory maps (data, scale_bias or None)."""
+    dtype = {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8, "int4": np.uint8}[width]
+    cols = (dim + 1) // 2 if width == "int4" else dim
+    data = np.lib.format.open_memmap(data_path, mode="w+", dtype=dtype, shape=(rows, cols))
+    sb = np.lib.format.open_memmap(sb_path, mode="w+", dtype=np.float16, shape=(rows, 2)) if width in LEVELS else None
+    return data, sb
+
+
+def write_table(weight: torch.Tensor, width: str, data: np.ndarray, sb: np.ndarray | None, offset: int) -> None:
+    """Quantize a float32 table [rows, D] chunk by chunk (bounded memory) into rows [offset, offset + rows) of
+    its width group's memory maps."""
+    for lo in range(0, weight.shape[0], _CHUNK_ROWS):
+        q, s = quantize_rows(weight[lo : lo + _CHUNK_ROWS].detach().float().cpu().numpy(), width)
+        data[offset + lo : offset + lo + len(q)] = q
         if sb is not None and s is not None:
-            sb[lo : lo + len(s)] = s
-    for a in (data, sb):
-        if a is not None:
-            a.flush()
-    return {"bytes": rows * bytes_per_row(width, dim)}
+            sb[offset + lo : offset + lo + len(s)] = s
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
@@ -118,26 +117,25 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a)
 
 
-class QuantizedTable:
-    """One table's rows in one width, memory-mapped (shared by every process that maps the file) or copied
-    to ``device``."""
+class QuantizedRows:
+    """The rows of every table of one width, stacked (a table is a row range), memory-mapped read-only (one
+    page-cache copy for every process that maps the file) or copied to ``device``."""
 
-    def __init__(self, name: str, width: str, dim: int, data: np.ndarray, scale_bias: np.ndarray | None,
+    def __init__(self, width: str, dim: int, data: np.ndarray, scale_bias: np.ndarray | None,
                  device: torch.device | str = "cpu") -> None:
         if width not in WIDTHS:
-            raise ValueError(f"table {name!r}: width {width!r} is not one of {', '.join(WIDTHS)}")
-        if (scale_bias is None) != (width in ("fp32", "fp16")):
-            raise ValueError(f"table {name!r}: {width} rows {'need' if scale_bias is None else 'take no'} scale/bias")
-        self.name, self.width, self.dim = name, width, dim
-        self.num_rows = int(data.shape[0])
+            raise ValueError(f"width {width!r} is not one of {', '.join(WIDTHS)}")
+        if (scale_bias is None) != (width not in LEVELS):
+            raise ValueError(f"{width} rows {'need' if scale_bias is None else 'take no'} scale and bias")
+        self.width, self.dim, self.num_rows = width, dim, int(data.shape[0])
         device = torch.device(device)
         self.data = _tensor(data) if device.type == "cpu" else _tensor(data).to(device)
         self.scale_bias = None if scale_bias is None else _tensor(scale_bias).to(device)
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [n] int64 in [0, num_rows) -> dequantized rows float32 [n, D]."""
-        sb = self.scale_bias.index_select(0, ids) if self.scale_bias is not None else None
-        return dequantize(self.data.index_select(0, ids), sb, self.width, self.dim)
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n] int64 in [0, num_rows) -> dequantized float32 [n, D] (only these rows are read)."""
+        sb = self.scale_bias.index_select(0, rows) if self.scale_bias is not None else None
+        return dequantize(self.data.index_select(0, rows), sb, self.width, self.dim)
 
     @property
     def nbytes(self) -> int:
@@ -146,30 +144,40 @@ class QuantizedTable:
 
 class QuantizedEmbeddingCollection:
     """Pooled (sum) lookups of F features into quantized tables: ``SparseFeatures`` (F features, batch B)
-    -> [B, F, D] float32, as ``FusedEmbeddingBagCollection`` pools in eval mode. ``feature_table[f]``: the
-    index into ``tables`` of feature f's table (features may share one)."""
+    -> [B, F, D] float32, as ``FusedEmbeddingBagCollection`` pools in eval mode.
 
-    def __init__(self, tables: list[QuantizedTable], feature_table: list[int]) -> None:
-        dims = {t.dim for t in tables}
+    ``feature_group[f]``: the width group (index into ``groups``) holding feature f's table;
+    ``feature_offset[f]``: the table's first row in it. A batch costs a constant number of kernels per width
+    group, not per feature: one gather of the rows its ids name, one dequantization, one ``embedding_bag``."""
+
+    def __init__(self, groups: list[QuantizedRows], feature_group: list[int], feature_offset: list[int]) -> None:
+        dims = {g.dim for g in groups}
         if len(dims) != 1:
             raise ValueError(f"all tables need one embedding dim, got {sorted(dims)}")
-        self.tables, self.feature_table = tables, list(feature_table)
-        self.num_features, self.embedding_dim = len(feature_table), dims.pop()
+        self.groups = groups
+        self.num_features, self.embedding_dim = len(feature_group), dims.pop()
+        device = groups[0].data.device
+        self.feature_group = torch.tensor(feature_group, dtype=torch.int64, device=device)
+        self.feature_offset = torch.tensor(feature_offset, dtype=torch.int64, device=device)
 
     def __call__(self, sparse: SparseFeatures) -> torch.Tensor:
         if sparse.num_features != self.num_features:
             raise ValueError(f"got {sparse.num_features} sparse features, the collection has {self.num_features}")
-        b, d, ids = sparse.batch_size, self.embedding_dim, sparse.ids
-        bounds = sparse.feature_bounds.tolist()
-        device = self.tables[0].data.device
-        rows = torch.empty(ids.numel(), d, dtype=torch.float32, device=device)  # the gathered rows, in id order
-        for f, t in enumerate(self.feature_table):
-            lo, hi = bounds[f], bounds[f + 1]
-            if hi > lo:
-                rows[lo:hi] = self.tables[t].lookup(ids[lo:hi])
+        b, d, n = sparse.batch_size, self.embedding_dim, sparse.ids.numel()
+        device = self.feature_offset.device
+        per_feature = sparse.ids_per_feature.to(device)
+        ids = sparse.ids.to(device) + self.feature_offset.repeat_interleave(per_feature, output_size=n)
+        if len(self.groups) == 1:
+            rows = self.groups[0].lookup(ids)  # [N, D], the gathered rows in id order
+        else:
+            group = self.feature_group.repeat_interleave(per_feature, output_size=n)
+            rows = torch.empty(n, d, dtype=torch.float32, device=device)
+            for g, qr in enumerate(self.groups):
+                pos = torch.nonzero(group == g).squeeze(1)
+                rows[pos] = qr.lookup(ids[pos])
         # Bag i sums rows[offsets[i] : offsets[i + 1]]: the positions of its ids, in order, as in training.
-        pooled = F.embedding_bag(torch.arange(ids.numel(), device=device), rows, sparse.offsets.to(device),
-                                 mode="sum", per_sample_weights=sparse.weights, include_last_offset=True)
+        pooled = F.embedding_bag(torch.arange(n, device=device), rows, sparse.offsets.to(device), mode="sum",
+                                 per_sample_weights=sparse.weights, include_last_offset=True)
         # [F * B, D] -> [B, F, D], contiguous: the exported program was traced on contiguous inputs, and
         # a reshape there is a view that a transposed input cannot take.
         return pooled.view(self.num_features, b, d).transpose(0, 1).contiguous()
@@ -177,4 +185,4 @@ class QuantizedEmbeddingCollection:
     @property
     def nbytes(self) -> int:
         """Bytes of all tables' rows (scale and bias included)."""
-        return sum(t.nbytes for t in self.tables)
+        return sum(g.nbytes for g in self.groups)

@@ -114,15 +114,16 @@ def logit_bound(model: DLRM, dense: torch.Tensor, pooled: Interval) -> torch.Ten
     return 2 * out[1].squeeze(1)
 
 
-def row_bounds(weight: np.ndarray, art: Path, entry: dict) -> np.ndarray:
-    """Per row, the largest per-element bound of the table's width (float64 [rows])."""
+def row_bounds(weight: np.ndarray, art: Path, manifest: dict, entry: dict) -> np.ndarray:
+    """Per row of one table, the largest per-element bound of its width (float64 [rows])."""
     x = np.abs(weight.astype(np.float64)).max(axis=1)
     if entry["width"] == "fp32":
         return np.zeros(len(x))
     if entry["width"] == "fp16":
         return np.maximum(x * 2.0**-11, 2.0**-25)
-    s = np.load(art / entry["scale_bias"])[:, 0].astype(np.float64)
     assert entry["width"] in LEVELS
+    sb = np.load(art / manifest["table_files"][entry["width"]]["scale_bias"], mmap_mode="r")
+    s = sb[entry["offset"] : entry["offset"] + entry["rows"], 0].astype(np.float64)
     return s / 2 + 2.0**-24 * (x + s)
 
 
@@ -132,7 +133,7 @@ def quantized_bounds(run: Path, art: Path, data: PreparedDataset) -> tuple[np.nd
     cfg, model = load_model(run)
     manifest = json.loads((art / "manifest.json").read_text())
     emb = model.embeddings
-    eps = torch.from_numpy(np.concatenate([row_bounds(emb.table_weight(t["name"]).numpy(), art, t)
+    eps = torch.from_numpy(np.concatenate([row_bounds(emb.table_weight(t["name"]).numpy(), art, manifest, t)
                                            for t in manifest["tables"]]))
     batch = data.batch(0, len(data))
     caps = torch.tensor(model.feature_rows())

@@ -201,7 +201,7 @@ def test_damaged_artifacts_are_refused_naming_the_file(tiny_run: Path, tmp_path:
     path, _ = export_checkpoint(tiny_run, tmp_path / "m", "int8")
     ServingModel.load(path)
     manifest = json.loads((path / "manifest.json").read_text())
-    table = path / manifest["tables"][1]["data"]
+    table = path / manifest["table_files"]["int8"]["data"]
     blob = table.read_bytes()
     table.write_bytes(blob[:-7])
     with pytest.raises(ArtifactError, match=f"{table.name}: .* bytes, the manifest says"):

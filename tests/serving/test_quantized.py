@@ -15,9 +15,10 @@ from recstack.embedding import FusedEmbeddingBagCollection, SparseOptimizerConfi
 from recstack.serving.quantized import (
     LEVELS,
     QuantizedEmbeddingCollection,
-    QuantizedTable,
+    QuantizedRows,
     bytes_per_row,
     dequantize,
+    open_group,
     quantize_rows,
     write_table,
 )
@@ -75,10 +76,14 @@ def test_bytes_per_row_and_written_files(tmp_path) -> None:
     w = torch.randn(1000, 16) * 0.1
     for width, want in (("fp32", 64), ("fp16", 32), ("int8", 20), ("int4", 12)):
         assert bytes_per_row(width, 16) == want
-        info = write_table(w, width, tmp_path / f"{width}.npy", tmp_path / f"{width}.sb.npy")
-        data = np.load(tmp_path / f"{width}.npy", mmap_mode="r")
-        on_disk = data.nbytes + (np.load(tmp_path / f"{width}.sb.npy").nbytes if width in LEVELS else 0)
-        assert info["bytes"] == on_disk == 1000 * want
+        data, sb = open_group(width, 1300, 16, tmp_path / f"{width}.npy", tmp_path / f"{width}.sb.npy")
+        write_table(w, width, data, sb, 0)
+        write_table(w[:300], width, data, sb, 1000)  # a second table after the first
+        on_disk = data.nbytes + (sb.nbytes if sb is not None else 0)
+        assert on_disk == 1300 * want
+        rows = QuantizedRows(width, 16, np.load(tmp_path / f"{width}.npy", mmap_mode="r"),
+                             np.load(tmp_path / f"{width}.sb.npy", mmap_mode="r") if sb is not None else None)
+        assert torch.equal(rows.lookup(torch.tensor([5, 1005])), rows.lookup(torch.tensor([5, 5])))
 
 
 def _random_bags(rng: np.random.Generator, rows: list[int], b: int, weighted: bool) -> SparseFeatures:
@@ -91,19 +96,29 @@ def _random_bags(rng: np.random.Generator, rows: list[int], b: int, weighted: bo
 
 
 @pytest.mark.parametrize("width", ["fp32", "fp16", "int8", "int4"])
-@pytest.mark.parametrize("weighted", [False, True])
-def test_pooled_lookup_matches_fp32_pooling_within_the_bag_bound(width: str, weighted: bool) -> None:
-    """Features 0 and 2 share table "a"; pooled error of bag b <= sum over its ids of |w| * row bound."""
+@pytest.mark.parametrize("weighted, mixed", [(False, False), (True, False), (True, True)])
+def test_pooled_lookup_matches_fp32_pooling_within_the_bag_bound(width: str, weighted: bool, mixed: bool) -> None:
+    """Features 0 and 2 share table "a", "b" is stored after it in the same width group, or (mixed) in
+    another width; pooled error of bag b <= sum over its ids of |w| * row bound."""
     rng = np.random.default_rng(0)
     tables = [TableConfig("a", 300, 6, (0, 2)), TableConfig("b", 40, 6, (1,))]
     ref = FusedEmbeddingBagCollection(tables, SparseOptimizerConfig("sgd", 0.1), seed=3).eval()
-    qt, bounds = [], []
-    for t in tables:
-        w = ref.table_weight(t.name).numpy()
-        q, sb = quantize_rows(w, width)
-        qt.append(QuantizedTable(t.name, width, 6, q, sb))
-        bounds.append(element_bound(w.astype(np.float64), width, sb).max(axis=1))  # per row
-    coll = QuantizedEmbeddingCollection(qt, ref.feature_table)
+    widths = [width, "fp32" if mixed else width]
+    groups, bounds, index = [], [], {}
+    for t, w in zip(tables, widths, strict=True):
+        q, sb = quantize_rows(ref.table_weight(t.name).numpy(), w)
+        bounds.append(element_bound(ref.table_weight(t.name).numpy().astype(np.float64), w, sb).max(axis=1))
+        if w in index:  # one group per width: stack the rows
+            g = groups[index[w]]
+            q = np.concatenate([g.data.numpy(), q])
+            sb = None if sb is None else np.concatenate([g.scale_bias.numpy(), sb])
+            groups[index[w]] = QuantizedRows(w, 6, q, sb)
+        else:
+            index[w] = len(groups)
+            groups.append(QuantizedRows(w, 6, q, sb))
+    offset = [0, 300] if widths[0] == widths[1] else [0, 0]
+    coll = QuantizedEmbeddingCollection(groups, [index[widths[t]] for t in ref.feature_table],
+                                        [offset[t] for t in ref.feature_table])
     for _ in range(5):
         sp = _random_bags(rng, [300, 40, 300], 7, weighted)
         with torch.no_grad():
@@ -121,10 +136,12 @@ def test_pooled_lookup_matches_fp32_pooling_within_the_bag_bound(width: str, wei
 
 
 def test_memory_mapped_tables_are_shared_read_only(tmp_path) -> None:
-    w = torch.randn(50, 4)
-    write_table(w, "int8", tmp_path / "t.npy", tmp_path / "t.sb.npy")
-    data = np.load(tmp_path / "t.npy", mmap_mode="r", allow_pickle=False)
-    t = QuantizedTable("t", "int8", 4, data, np.load(tmp_path / "t.sb.npy", mmap_mode="r"))
-    assert isinstance(data, np.memmap) and not data.flags.writeable
+    data, sb = open_group("int8", 50, 4, tmp_path / "t.npy", tmp_path / "t.sb.npy")
+    write_table(torch.randn(50, 4), "int8", data, sb, 0)
+    data.flush()
+    sb.flush()
+    mapped = np.load(tmp_path / "t.npy", mmap_mode="r", allow_pickle=False)
+    t = QuantizedRows("int8", 4, mapped, np.load(tmp_path / "t.sb.npy", mmap_mode="r"))
+    assert isinstance(mapped, np.memmap) and not mapped.flags.writeable
     got = t.lookup(torch.tensor([3, 3, 49]))
     assert got.shape == (3, 4) and torch.equal(got[0], got[1])
