@@ -12,7 +12,7 @@ Widths (``WIDTHS``) and their per-element error bound against the float32 row x 
   a byte, the even column in the low nibble.
 
 Scale and bias are float16 [rows, 2] (4 bytes a row), so a D-dimensional row takes D + 4 bytes in int8 and
-ceil(D / 2) + 4 in int4 against 4 D in float32.
+ceil(D / 2) + 4 in int4 against 4 D in float32 (codes padded to whole 4-byte words: ``code_columns``).
 
 ``QuantizedEmbeddingCollection`` pools (sum, optional per-sample weights) like the training collection: for
 each feature it gathers only the rows its ids name, dequantizes those, and one ``embedding_bag`` over the
@@ -36,9 +36,16 @@ FP16_MAX = 65504.0
 _CHUNK_ROWS = 1 << 18  # rows quantized at a time: bounded memory for any table size
 
 
+def code_columns(width: str, dim: int) -> int:
+    """Bytes of codes in an int8 / int4 row, padded to a multiple of 4 so that rows can be gathered as float32
+    words (torch's fast row copy; gathering uint8 rows is several times slower)."""
+    raw = dim if width == "int8" else (dim + 1) // 2
+    return -(-raw // 4) * 4
+
+
 def bytes_per_row(width: str, dim: int) -> int:
     """Bytes a row of ``dim`` values takes in ``width`` (scale and bias included)."""
-    return {"fp32": 4 * dim, "fp16": 2 * dim, "int8": dim + 4, "int4": (dim + 1) // 2 + 4}[width]
+    return {"fp32": 4 * dim, "fp16": 2 * dim}.get(width) or code_columns(width, dim) + 4
 
 
 def _fp16_toward(x: np.ndarray, direction: float) -> np.ndarray:
@@ -79,22 +86,28 @@ def quantize_rows(rows: np.ndarray, width: str) -> tuple[np.ndarray, np.ndarray 
 
 
 def dequantize(data: torch.Tensor, scale_bias: torch.Tensor | None, width: str, dim: int) -> torch.Tensor:
-    """Gathered rows of one width -> float32 [n, dim]."""
+    """Gathered rows of one width (codes [n, >= dim or >= ceil(dim / 2)] for int8 / int4, scale_bias [n, 2])
+    -> float32 [n, dim]. q s is exact in float32 (8 + 11 significant bits), so q s + b rounds once."""
     if width == "fp32":
         return data
     if width == "fp16":
         return data.float()
     if width == "int4":
-        data = torch.stack([data & 15, data >> 4], dim=2).view(data.shape[0], -1)[:, :dim]
+        q = torch.empty(data.shape[0], 2 * data.shape[1], dtype=torch.float32, device=data.device)
+        q[:, 0::2] = data & 15
+        q[:, 1::2] = data >> 4
+        q = q[:, :dim]
+    else:
+        q = data[:, :dim].float()
     sb = scale_bias.float()  # type: ignore[union-attr]
-    return torch.addcmul(sb[:, 1:], data.float(), sb[:, :1])
+    return q.mul_(sb[:, :1]).add_(sb[:, 1:])  # q is a fresh tensor in every case: in place is safe
 
 
 def open_group(width: str, rows: int, dim: int, data_path: Path, sb_path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     """Create the ``.npy`` files of one width group of ``rows`` rows (every table of that width, stacked):
     -> writable memory maps (data, scale_bias or None)."""
     dtype = {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8, "int4": np.uint8}[width]
-    cols = (dim + 1) // 2 if width == "int4" else dim
+    cols = code_columns(width, dim) if width in LEVELS else dim  # padding bytes stay 0
     data = np.lib.format.open_memmap(data_path, mode="w+", dtype=dtype, shape=(rows, cols))
     sb = np.lib.format.open_memmap(sb_path, mode="w+", dtype=np.float16, shape=(rows, 2)) if width in LEVELS else None
     return data, sb
@@ -105,7 +118,7 @@ def write_table(weight: torch.Tensor, width: str, data: np.ndarray, sb: np.ndarr
     its width group's memory maps."""
     for lo in range(0, weight.shape[0], _CHUNK_ROWS):
         q, s = quantize_rows(weight[lo : lo + _CHUNK_ROWS].detach().float().cpu().numpy(), width)
-        data[offset + lo : offset + lo + len(q)] = q
+        data[offset + lo : offset + lo + len(q), : q.shape[1]] = q
         if sb is not None and s is not None:
             sb[offset + lo : offset + lo + len(s)] = s
 
@@ -131,11 +144,22 @@ class QuantizedRows:
         device = torch.device(device)
         self.data = _tensor(data) if device.type == "cpu" else _tensor(data).to(device)
         self.scale_bias = None if scale_bias is None else _tensor(scale_bias).to(device)
+        # Codes gathered as float32 words (bits copied, never computed on) when a row is whole words; the
+        # (scale, bias) pair of a row is one float32 word.
+        words = width in LEVELS and self.data.shape[1] % 4 == 0 and self.data.is_contiguous()
+        self._code_words = self.data.view(torch.float32) if words else None
+        sb = self.scale_bias
+        self._sb_words = sb.contiguous().view(torch.float32).view(-1) if sb is not None else None
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n] int64 in [0, num_rows) -> dequantized float32 [n, D] (only these rows are read)."""
-        sb = self.scale_bias.index_select(0, rows) if self.scale_bias is not None else None
-        return dequantize(self.data.index_select(0, rows), sb, self.width, self.dim)
+        if self._sb_words is None:
+            return dequantize(self.data.index_select(0, rows), None, self.width, self.dim)
+        n = rows.numel()
+        sb = self._sb_words.index_select(0, rows).view(torch.float16).view(n, 2)
+        codes = (self._code_words.index_select(0, rows).view(torch.uint8) if self._code_words is not None
+                 else self.data.index_select(0, rows))
+        return dequantize(codes, sb, self.width, self.dim)
 
     @property
     def nbytes(self) -> int:
