@@ -65,6 +65,7 @@ class EncodedBatch:
     dense: torch.Tensor
     sparse: SparseFeatures
     oov_counts: dict[str, int] = field(default_factory=dict)
+    one_id_per_bag: bool = False  # every bag holds one id (offsets = 0..F*B): concat is a reshape
 
     @property
     def size(self) -> int:
@@ -76,6 +77,16 @@ class EncodedBatch:
         if len(batches) == 1:
             return batches[0]
         f = batches[0].sparse.num_features
+        oov: dict[str, int] = {}
+        for b in batches:
+            for k, v in b.oov_counts.items():
+                oov[k] = oov.get(k, 0) + v
+        dense = torch.cat([b.dense for b in batches])
+        if all(b.one_id_per_bag for b in batches):
+            ids = torch.cat([b.sparse.ids.view(f, -1) for b in batches], dim=1).reshape(-1)
+            ws = [b.sparse.weights for b in batches]
+            w = torch.cat([x.view(f, -1) for x in ws], dim=1).reshape(-1) if ws[0] is not None else None  # type: ignore[union-attr]
+            return EncodedBatch(dense, SparseFeatures(ids, torch.arange(ids.numel() + 1), f, w), oov, True)
         ids, lengths, weights = [], [], []
         for feat in range(f):
             for b in batches:
@@ -87,11 +98,7 @@ class EncodedBatch:
         ln = torch.cat(lengths)
         offsets = torch.cat([ln.new_zeros(1), ln.cumsum(0)])
         w = torch.cat(weights) if weights else None
-        oov: dict[str, int] = {}
-        for b in batches:
-            for k, v in b.oov_counts.items():
-                oov[k] = oov.get(k, 0) + v
-        return EncodedBatch(torch.cat([b.dense for b in batches]), SparseFeatures(torch.cat(ids), offsets, f, w), oov)
+        return EncodedBatch(dense, SparseFeatures(torch.cat(ids), offsets, f, w), oov)
 
 
 def check_program_pickle_free(path: Path) -> None:
@@ -200,20 +207,27 @@ class ServingModel:
         """Per-feature bags -> feature-major SparseFeatures with ids capped (modulo, as the loader does) and
         the weights the prepared data gives (mean pooling: 1 / bag size)."""
         t = self.transforms
+        n, f = len(dense), len(bags)
+        dense_t = torch.from_numpy(np.ascontiguousarray(dense, np.float32))
+        if not any(s["multi_hot"] for s in t.features):  # one id a bag: [F, B] ids, capped at once
+            ids = np.stack([b[1] for b in bags]) % t.caps[:, None]
+            w = torch.ones(f * n) if t.needs_weights else None
+            sparse = SparseFeatures(torch.from_numpy(ids.reshape(-1)), torch.arange(f * n + 1), f, w)
+            return EncodedBatch(dense_t, sparse, oov, one_id_per_bag=True)
         ids, lengths, weights = [], [], []
-        for f, (ln, fid, w) in enumerate(bags):
-            ids.append(fid % t.caps[f] if t.caps[f] < t.rows[f] else fid)
+        for k, (ln, fid, w) in enumerate(bags):
+            ids.append(fid % t.caps[k] if t.caps[k] < t.rows[k] else fid)
             lengths.append(ln)
             w = np.ones(len(fid), np.float32) if w is None else w.astype(np.float32)
-            if t.features[f]["pooling"] == "mean":
+            if t.features[k]["pooling"] == "mean":
                 w = w / np.repeat(np.maximum(ln, 1), ln).astype(np.float32)
             weights.append(w)
         ln = np.concatenate(lengths)
         offsets = np.zeros(len(ln) + 1, np.int64)
         np.cumsum(ln, out=offsets[1:])
         sparse = SparseFeatures(torch.from_numpy(np.concatenate(ids).astype(np.int64)), torch.from_numpy(offsets),
-                                len(bags), torch.from_numpy(np.concatenate(weights)) if t.needs_weights else None)
-        return EncodedBatch(torch.from_numpy(np.ascontiguousarray(dense, np.float32)), sparse, oov)
+                                f, torch.from_numpy(np.concatenate(weights)) if t.needs_weights else None)
+        return EncodedBatch(dense_t, sparse, oov)
 
     # ------------------------------------------------------------------------------------------ score
     @torch.inference_mode()

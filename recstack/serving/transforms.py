@@ -52,9 +52,12 @@ def transforms_from_data(data: PreparedDataset) -> tuple[dict[str, Any], dict[st
             doc["max_ind_range"] = int(cat["max_ind_range"])
             return doc, {}
         with np.load(data.path / cat["file"]) as z:  # arrays only: np.load never unpickles without allow_pickle
-            arrays = {f"transforms/{n}.vocab.npy": np.asarray(z[n], np.uint32) for n in SPARSE_NAMES}
-        doc["vocab"] = {n: f"transforms/{n}.vocab.npy" for n in SPARSE_NAMES}
-        return doc, arrays
+            vocabs = [np.asarray(z[n], np.uint64) for n in SPARSE_NAMES]
+        # One sorted array of keys (feature << 32 | raw value) for all features: one searchsorted a request.
+        keys = np.concatenate([(np.uint64(f) << np.uint64(32)) | v for f, v in enumerate(vocabs)])
+        doc["vocab"] = {"keys": "transforms/criteo_vocab_keys.npy",
+                        "starts": np.cumsum([0] + [len(v) for v in vocabs]).tolist()}
+        return doc, {"transforms/criteo_vocab_keys.npy": keys}
     if info.get("reader") == "schema":
         schema = schema_from_dict(info["schema"], "the training data's schema")
         stats = data.path / "stats.json"
@@ -71,6 +74,10 @@ def _finite(value: Any, field: str, row: int) -> None:
     if isinstance(value, list | tuple):
         for v in value:
             _finite(v, field, row)
+
+
+def _bad() -> int:
+    raise ValueError("not a Criteo categorical value")
 
 
 def _number(v: Any) -> bool:
@@ -93,8 +100,9 @@ class FeatureTransforms:
         if self.kind == "criteo":
             self.mode = doc["mode"]
             self.max_ind_range = int(doc.get("max_ind_range", 0))
-            self.vocab = ([np.load(root / doc["vocab"][n], mmap_mode="r", allow_pickle=False) for n in SPARSE_NAMES]
-                          if self.mode == "vocabulary" else [])
+            if self.mode == "vocabulary":
+                self.vocab_keys = np.load(root / doc["vocab"]["keys"], mmap_mode="r", allow_pickle=False)
+                self.vocab_starts = np.asarray(doc["vocab"]["starts"], np.int64)
             self.raw_fields = DENSE_NAMES + SPARSE_NAMES
         elif self.kind == "schema":
             self.schema = schema_from_dict(doc["schema"], "the artifact's schema")
@@ -114,13 +122,17 @@ class FeatureTransforms:
         return FeatureTransforms(doc, root, manifest["features"], manifest["model"]["dense_features"])
 
     # ---------------------------------------------------------------------------------------- checks
-    def _check_keys(self, rows: list[dict[str, Any]], fields: list[str], what: str) -> None:
+    def _check_keys(self, rows: list[dict[str, Any]], fields: list[str], what: str, finite_check: bool = True) -> None:
+        """Every row an object with exactly ``fields``; with ``finite_check`` no NaN / Inf in any value (the
+        Criteo path's type checks refuse every float instead, naming NaN / Inf where it is one)."""
         if not isinstance(rows, list) or not rows:
             raise RequestError("expected a non-empty list of rows")
         want = set(fields)
         for i, r in enumerate(rows):
             if not isinstance(r, dict):
                 raise RequestError(f"a row must be an object of {what}", None, i)
+            if r.keys() == want and not finite_check:  # the common case, checked in C
+                continue
             for k in r:
                 if k not in want:
                     raise RequestError(f"unknown field (the model takes {what})", str(k), i)
@@ -173,47 +185,50 @@ class FeatureTransforms:
         out-of-vocabulary row})."""
         if self.kind == "ids":
             raise RequestError("this model's training data has no raw form (synthetic ids): send encoded ids")
-        self._check_keys(rows, self.raw_fields, "raw fields: " + ", ".join(self.raw_fields))
+        self._check_keys(rows, self.raw_fields, "raw fields: " + ", ".join(self.raw_fields), self.kind != "criteo")
         return self._criteo(rows) if self.kind == "criteo" else self._schema(rows)
 
     def _criteo(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
         n = len(rows)
         raw = np.zeros((n, len(DENSE_NAMES)), np.int64)
         for j, name in enumerate(DENSE_NAMES):
-            for i, r in enumerate(rows):
-                v = r[name]
-                if v is None:
-                    continue
-                if not isinstance(v, int) or isinstance(v, bool):
+            col = [r[name] for r in rows]
+            if all(type(v) is int and -(10**18) < v < 10**18 or v is None for v in col):  # noqa: E721 (no bool)
+                raw[:, j] = [0 if v is None else v for v in col]
+                continue
+            for i, v in enumerate(col):  # the first bad value, named
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise RequestError("NaN or Inf is not a value", name, i)
+                if type(v) is not int and v is not None:  # noqa: E721
                     raise RequestError(f"expected an integer or null, got {v!r:.60}", name, i)
-                if abs(v) >= 10**18:
+                if v is not None and abs(v) >= 10**18:
                     raise RequestError("integer has more than 18 digits", name, i)
-                raw[i, j] = v
         dense = transform_dense(raw)
         cats = np.zeros((n, len(SPARSE_NAMES)), np.int64)
         for j, name in enumerate(SPARSE_NAMES):
-            for i, r in enumerate(rows):
-                v = r[name]
-                if v is None or v == "":
-                    continue
-                if not isinstance(v, str) or not _HEX.match(v):
-                    raise RequestError(f"expected 1..8 hex digits, \"\" or null, got {v!r:.60}", name, i)
-                cats[i, j] = int(v, 16)
-        oov: dict[str, int] = {}
-        bags: Bags = []
+            col = [r[name] for r in rows]
+            try:
+                cats[:, j] = [int(v, 16) if _HEX.match(v) else _bad() for v in col] if all(col) else [
+                    0 if v is None or v == "" else (int(v, 16) if _HEX.match(v) else _bad()) for v in col]
+            except (TypeError, ValueError):
+                for i, v in enumerate(col):
+                    if isinstance(v, float) and not math.isfinite(v):
+                        raise RequestError("NaN or Inf is not a value", name, i) from None
+                    if not (v is None or v == "" or isinstance(v, str) and _HEX.match(v)):
+                        raise RequestError(f"expected 1..8 hex digits, \"\" or null, got {v!r:.60}", name, i) from None
+                raise
+        if self.mode == "hash":
+            ids = cats % self.max_ind_range
+            oov: dict[str, int] = {}
+        else:  # as criteo_vocab.apply_vocabularies: position + 1 in the feature's vocabulary, 0 if not there
+            keys = (np.arange(len(SPARSE_NAMES), dtype=np.uint64) << np.uint64(32)) | cats.astype(np.uint64)
+            pos = np.searchsorted(self.vocab_keys, keys)
+            found = self.vocab_keys[np.minimum(pos, len(self.vocab_keys) - 1)] == keys
+            ids = np.where(found, pos - self.vocab_starts[:-1] + 1, 0)
+            unseen = ((cats != 0) & ~found).sum(axis=0)
+            oov = {name: int(c) for name, c in zip(SPARSE_NAMES, unseen, strict=True)}
         ones = np.ones(n, np.int64)
-        for j, name in enumerate(SPARSE_NAMES):
-            col = cats[:, j]
-            if self.mode == "hash":
-                ids = col % self.max_ind_range
-            else:  # as criteo_vocab.apply_vocabularies: position + 1, 0 for missing / rare / unseen
-                vocab = self.vocab[j]
-                pos = np.searchsorted(vocab, col.astype(np.uint32))
-                found = (vocab[np.minimum(pos, len(vocab) - 1)] == col) if len(vocab) else np.zeros(n, bool)
-                ids = np.where(found, pos + 1, 0).astype(np.int64)
-                oov[name] = int(((col != 0) & ~found).sum())
-            bags.append((ones, ids, None))
-        return dense, bags, oov
+        return dense, [(ones, ids[:, j], None) for j in range(len(SPARSE_NAMES))], oov
 
     def _schema(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
         sch, n = self.schema, len(rows)

@@ -90,8 +90,13 @@ def _check_fp32(run: Path, data: Path, out: Path, rows: int = 300) -> ServingMod
     cfg, model = load_model(run)
     ds = PreparedDataset(data)
     want, _ = predict_logits(cfg, model, ds, progress=False, rows=(0, rows))
-    got = m.score(m.encode(encoded_rows(ds, 0, rows), ids=True)).numpy()
+    enc = encoded_rows(ds, 0, rows)
+    got = m.score(m.encode(enc, ids=True)).numpy()
     assert got.shape == (rows,) and np.abs(got - want).max() <= 1e-6
+    # Requests batched together (dynamic batching) score as they do alone.
+    joined = EncodedBatch.concat([m.encode(enc[:7], ids=True), m.encode(enc[7:8], ids=True),
+                                  m.encode(enc[8:rows], ids=True)])
+    assert joined.size == rows and np.array_equal(m.score(joined).numpy(), got)
     return m
 
 
