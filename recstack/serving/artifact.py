@@ -6,11 +6,12 @@ Layout (``MODEL_ROOT/<version>/`` when exported into a versions directory, ``ver
     manifest.json        format, format_version, version, source checkpoint, model config, features, tables,
                          dense program, transforms, and {relative path: {"sha256", "bytes"}} of every other file
     dense.pt2            torch.export program: pooled embeddings [B, F', D] (+ dense [B, n_dense]) -> logits [B]
-    tables/<t>.npy       one table's rows: float32 / float16 [rows, D], int8 [rows, D] or int4 packed two per
-                         byte uint8 [rows, ceil(D / 2)]
-    tables/<t>.sb.npy    int8 / int4 only: per-row (scale, bias) float16 [rows, 2]
+    tables/<width>.npy   the rows of every table of that width, stacked (manifest ``tables[*].offset``):
+                         float32 / float16 [rows, D], int8 codes uint8 [rows, D] or int4 codes two a byte
+                         uint8 [rows, ceil(D / 2)], codes padded to whole 4-byte words
+    tables/<width>.sb.npy  int8 / int4 only: per-row (scale, bias) float16 [rows, 2]
     transforms.json      how raw feature values become model inputs (``recstack.serving.transforms``)
-    transforms/*.npy     large transform arrays (Criteo vocabularies)
+    transforms/*.npy     large transform arrays (the Criteo vocabularies' sorted keys)
 
 Every array is a plain ``.npy`` (``np.load(mmap_mode="r")``, ``allow_pickle`` never set) and every text a JSON
 file: nothing here is unpickled. A directory is written as ``.<name>.tmp-*`` beside its target, fsynced and
