@@ -90,6 +90,10 @@ def read_manifest(model_dir: str | Path, verify: bool = True) -> dict[str, Any]:
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise ArtifactError(f"{path}: no file list")
+    for rel in files:  # every file the artifact refers to lies inside it
+        p = Path(rel)
+        if p.is_absolute() or ".." in p.parts or not p.parts:
+            raise ArtifactError(f"{path}: file {rel!r} lies outside the artifact")
     if verify:
         for rel, entry in files.items():
             f = root / rel

@@ -163,6 +163,8 @@ class ServingModel:
         self.raw_fields, self.id_fields = self.transforms.raw_fields, self.transforms.id_fields
 
     def _array(self, rel: str, shape: list[int], dtype: str) -> np.ndarray:
+        if rel not in self.manifest["files"]:  # so that it was checked, and lies inside the artifact
+            raise ArtifactError(f"{self.path / 'manifest.json'}: {rel!r} is not in its file list")
         f = self.path / rel
         try:
             a = np.load(f, mmap_mode="r", allow_pickle=False)

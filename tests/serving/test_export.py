@@ -219,6 +219,12 @@ def test_damaged_artifacts_are_refused_naming_the_file(tiny_run: Path, tmp_path:
     with pytest.raises(ArtifactError, match="extra.npy: not listed"):
         ServingModel.load(path)
     (path / "tables" / "extra.npy").unlink()
+    doc = json.loads((path / "manifest.json").read_text())
+    doc["files"]["../outside.npy"] = doc["files"].pop("tables/int8.npy")
+    (path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match="outside the artifact"):
+        ServingModel.load(path)
+    (path / "manifest.json").write_text(json.dumps(manifest))
     (path / "dense.pt2").unlink()
     with pytest.raises(ArtifactError, match="dense.pt2: missing"):
         ServingModel.load(path)
