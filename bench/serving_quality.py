@@ -58,8 +58,8 @@ def measure(name: str, data: Path, work: Path, batch_size: int) -> dict[str, Any
     cfg, model = load_model(work / "run")
     ds, (lo, hi), what = evaluation_rows(cfg, work / "run")
     ref, labels = predict_logits(cfg, model, ds, progress=False, rows=(lo, hi))
-    out: dict[str, Any] = {"data": name, "held_out": what, "rows": hi - lo, "reference_auc": auc(ref, labels),
-                           "widths": {}}
+    out: dict[str, Any] = {"data": name, "held_out": what.split(": ", 1)[-1], "rows": hi - lo,
+                           "reference_auc": auc(ref, labels), "widths": {}}
     (work / "models").mkdir()
     for w in WIDTHS:
         path, _ = export_checkpoint(work / "run", work / "models", w)
