@@ -25,9 +25,10 @@ Contract (what ``recstack serve`` and any other caller build on)::
         ``batch.oov_counts[feature]``.
     batch = model.encode_candidates(shared, candidates, ids=False) -> EncodedBatch
         One user, many candidates: row i is ``{**shared, **candidates[i]}``; a field in both is a RequestError.
-    logits = model.score(batch) -> torch.Tensor float32 [B] on CPU (no grad; thread-safe for one caller at a
-        time per model; probabilities are ``torch.sigmoid(logits)``)
+    logits = model.score(batch) -> torch.Tensor float32 [B] on CPU (no grad; it mutates nothing, so threads may
+        call it at once; probabilities are ``torch.sigmoid(logits)``)
 
+    EncodedBatch(dense [B, n_dense] float32, sparse SparseFeatures, oov_counts={}, one_id_per_bag=False)
     EncodedBatch.concat(batches) -> EncodedBatch   (dynamic batching: rows in order; split the logits by
         ``batch.size``)
 
@@ -53,7 +54,7 @@ from recstack.serving.artifact import ArtifactError, RequestError, read_manifest
 from recstack.serving.quantized import QuantizedEmbeddingCollection, QuantizedRows
 from recstack.serving.transforms import Bags, FeatureTransforms
 
-__all__ = ["ArtifactError", "EncodedBatch", "RequestError", "ServingModel", "load_program"]
+__all__ = ["EncodedBatch", "ServingModel", "check_program_pickle_free", "load_program"]
 
 
 @dataclass
