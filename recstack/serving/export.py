@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +68,15 @@ def export_program(model: DLRM, path: Path) -> None:
     if model.num_dense:
         args += (torch.randn(b, model.num_dense, device=device),)
         shapes["dense"] = {0: batch}
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # torch 2.13's own notices while tracing and saving (a deprecated pytree check; the weights grouping
+        # note, about weights off the CPU, which these are not): nothing the user can act on.
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="No complete tensor found", category=UserWarning)
         ep = torch.export.export(prog, args, dynamic_shapes=shapes)
-    ep = ep.run_decompositions({})  # aten ops only: the program runs on any torch that reads this archive
-    ep._example_inputs = None  # sample inputs would be pickled into the archive; the loader refuses them
-    torch.export.save(ep, path)
+        ep = ep.run_decompositions({})  # core aten operators only
+        ep._example_inputs = None  # sample inputs would be pickled into the archive; the loader refuses them
+        torch.export.save(ep, path)
 
 
 def parse_table_widths(default: str, overrides: list[str], names: list[str]) -> dict[str, str]:
