@@ -92,7 +92,12 @@ class Batcher:
                     break
                 group.append(p)
                 rows += p.rows
-            await self._call(group)
+            try:
+                await self._call(group)
+            except Exception as e:  # never let the batching task die: later requests would wait forever
+                for p in group:
+                    if not p.future.done():
+                        p.future.set_exception(e)
 
     async def _call(self, group: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()
