@@ -1,5 +1,5 @@
 """The one command line: ``recstack train | eval | predict | data prepare | data synth | data inspect | plan |
-analyze-a2a | exfm``."""
+analyze-a2a | exfm | export | serve``."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import argparse
 import sys
 
 from recstack import __version__
-from recstack.cli import compression, data, evaluate, exfm, plan, train
+from recstack.cli import compression, data, evaluate, exfm, plan, serving, train
 from recstack.errors import RecstackError
 
-COMMAND_GROUPS = (train, evaluate, data, plan, compression, exfm)  # each adds its commands, in --help order
+COMMAND_GROUPS = (train, evaluate, data, plan, compression, exfm, serving)  # each adds its commands, in --help order
 
 
 def build_parser() -> argparse.ArgumentParser:

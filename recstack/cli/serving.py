@@ -1,0 +1,109 @@
+"""``recstack export`` (a checkpoint -> a serving artifact) and ``recstack serve`` (an HTTP scoring server)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from recstack.errors import ConfigError
+
+
+def _cmd_export(args: argparse.Namespace) -> None:
+    from recstack.serving.artifact import read_manifest
+    from recstack.serving.export import export_checkpoint
+
+    path, version = export_checkpoint(args.checkpoint, args.out, args.tables, args.table, args.data)
+    m = read_manifest(path, verify=False)
+    tb = m["table_bytes"]
+    widths = sorted({t["width"] for t in m["tables"]})
+    print(json.dumps({"artifact": str(path), "version": version, "tables": len(m["tables"]), "widths": widths,
+                      "table_bytes": tb["total"], "fp32_table_bytes": tb["fp32"], "ratio": round(tb["ratio"], 4)}))
+
+
+def add_export_parser(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("export", help="write a trained checkpoint as a serving artifact (dense program, quantized "
+                                      "tables, feature transforms, checksummed manifest)")
+    e.add_argument("--checkpoint", required=True,
+                   help="checkpoint (ckpt_<step>.pt, ckpt_<step>/, a torchrun run's step_<step>/) or run directory")
+    e.add_argument("--out", required=True, help="a new artifact directory, or an existing versions directory "
+                                                "(the artifact becomes OUT/<newest version + 1>)")
+    e.add_argument("--tables", default="fp32", metavar="WIDTH",
+                   help="width of every table: fp32 (default), fp16, int8 or int4 (row-wise scale and bias)")
+    e.add_argument("--table", action="append", default=[], metavar="NAME=WIDTH",
+                   help="width of one table (repeatable), e.g. --table C3=int4")
+    e.add_argument("--data", help="the prepared training data (default: the run's data.train)")
+    e.set_defaults(func=_cmd_export)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Every serving command: ``export`` here; ``serve`` (``add_serve_parser``) is added beside it."""
+    add_export_parser(sub)
+    add_serve_parser(sub)
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    """``recstack serve MODEL_DIR``: the HTTP scoring service (``recstack.serving.server``)."""
+    s = sub.add_parser("serve", help="score requests over HTTP (POST /v1/score) with a model from recstack export")
+    s.add_argument("model_dir", metavar="MODEL_DIR",
+                   help="an artifact of recstack export, or a versions directory (its newest version is served)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--workers", type=_at_least_1, default=1,
+                   help="server processes sharing the port and the memory-mapped tables (default 1)")
+    s.add_argument("--threads", type=_at_least_1, default=1,
+                   help="torch threads per worker (default 1: small batches gain nothing from more, and the "
+                        "event loop needs a core; scale with --workers)")
+    s.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:N")
+    s.add_argument("--max-batch", type=_at_least_1, default=2048, help="rows per model call at most (default 2048)")
+    s.add_argument("--max-wait-us", type=int, default=500,
+                   help="how long a batch waits for more requests, microseconds (default 500)")
+    s.add_argument("--max-rows", type=_at_least_1, help="rows (or candidates) per request at most "
+                                                        "(default --max-batch)")
+    s.add_argument("--max-body-bytes", type=_at_least_1, default=4 << 20,
+                   help="request body size limit; larger ones get 413 (default 4 MiB)")
+    s.add_argument("--watch", metavar="DIR", help="versions directory to poll for newer exported versions "
+                                                  "(hot swap)")
+    s.add_argument("--watch-interval", type=float, default=1.0, metavar="S", help="poll every S seconds (default 1)")
+    s.set_defaults(func=run_serve)
+
+
+def _at_least_1(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    """``recstack serve``: check the flags, load (and verify) the model to serve, run until SIGTERM / SIGINT."""
+    from recstack.training.config import check_device_name
+    from recstack.serving.artifact import MANIFEST, ArtifactError, list_versions
+    from recstack.serving.model import ServingModel
+    from recstack.serving.server import ServeOptions, serve
+
+    check_device_name(args.device, check_available=True, field="--device")
+    if args.max_wait_us < 0:
+        raise ConfigError(f"--max-wait-us {args.max_wait_us}: must be >= 0")
+    root = Path(args.model_dir)
+    if (root / MANIFEST).is_file():
+        model_dir = root
+    elif versions := list_versions(root):
+        model_dir = root / str(versions[-1])
+    elif args.watch:  # nothing yet: not ready until the watcher finds a version
+        model_dir = None
+    else:
+        raise ArtifactError(f"{root}: no serving artifact (no {MANIFEST}, no <version>/ with one)")
+    # Loaded (and verified) here first, so that a broken artifact stops the command with its message.
+    model = ServingModel.load(model_dir, args.device) if model_dir is not None else None
+    opts = ServeOptions(
+        model_dir=str(model_dir or ""), device=args.device, max_batch=args.max_batch, max_wait_us=args.max_wait_us,
+        max_rows=args.max_rows or args.max_batch, max_body_bytes=args.max_body_bytes, watch=args.watch,
+        watch_interval_s=args.watch_interval, threads=args.threads,
+    )
+    if args.workers > 1:
+        model = None  # each worker loads its own (the tables are memory-mapped: one copy in the page cache)
+    serve(opts, model, args.host, args.port, args.workers)

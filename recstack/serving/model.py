@@ -1,0 +1,243 @@
+"""A loaded serving artifact: encode request rows, score them.
+
+Contract (what ``recstack serve`` and any other caller build on)::
+
+    model = ServingModel.load(model_dir, device="cpu", verify=True)
+        Reads an artifact written by ``recstack export`` (``recstack.serving.artifact``). With ``verify`` every
+        file's size and sha256 are checked against the manifest first; a missing, truncated, tampered or
+        unlisted file raises ``ArtifactError`` naming it. Tables are memory-mapped read-only (on CPU, every
+        process that loads the same artifact shares one page-cache copy); on another device they are copied
+        there. Nothing is unpickled (see ``load_program``).
+    model.version: int          the artifact's version (its directory number in a versions directory)
+    model.manifest: dict        the manifest (format, source checkpoint, model config, features, tables)
+    model.path: Path            the artifact directory
+    model.feature_names         the sparse features in model order (OOV counters are keyed by these)
+    model.raw_fields            the field names raw rows carry (Criteo I1..I13, C1..C26, or the schema's columns)
+    model.id_fields             the field names encoded rows carry (prepared dense names + sparse feature names)
+
+    batch = model.encode(rows, ids=False) -> EncodedBatch
+        rows: list of dicts. Raw (``ids=False``): values as in the raw data, every raw field present (null =
+        a missing value, as an empty field of the file). Encoded (``ids=True``): prepared dense values and
+        sparse ids (an int; a list for multi-hot; {"ids": [...], "weights": [...]} for a weighted feature).
+        A missing or unknown field, a wrong type, NaN / Inf, an id outside its table raise ``RequestError``
+        (``.field``, ``.row``). A category the training data did not have maps to the row the trained
+        transforms give it (Criteo vocabulary: row 0; schema vocab: row 1) and is counted in
+        ``batch.oov_counts[feature]``.
+    batch = model.encode_candidates(shared, candidates, ids=False) -> EncodedBatch
+        One user, many candidates: row i is ``{**shared, **candidates[i]}``; a field in both is a RequestError.
+    logits = model.score(batch) -> torch.Tensor float32 [B] on CPU (no grad; it mutates nothing, so threads may
+        call it at once; probabilities are ``torch.sigmoid(logits)``)
+
+    EncodedBatch(dense [B, n_dense] float32, sparse SparseFeatures, oov_counts={}, one_id_per_bag=False)
+    EncodedBatch.concat(batches) -> EncodedBatch   (dynamic batching: rows in order; split the logits by
+        ``batch.size``)
+
+Errors: ``ArtifactError`` and ``RequestError`` (``recstack.serving.artifact``), both ``RecstackError`` and
+``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from recstack.data.batch import SparseFeatures
+from recstack.embedding.qr import QRSplit
+from recstack.models.build import table_configs
+from recstack.serving.artifact import ArtifactError, RequestError, read_manifest
+from recstack.serving.quantized import QuantizedEmbeddingCollection, QuantizedRows
+from recstack.serving.transforms import Bags, FeatureTransforms
+
+__all__ = ["EncodedBatch", "ServingModel", "check_program_pickle_free", "load_program"]
+
+
+@dataclass
+class EncodedBatch:
+    """Model inputs of ``size`` rows: dense float32 [B, n_dense]; sparse: F features of capped ids as the
+    training loader gives them (before the model's QR split); oov_counts: feature -> values of this batch
+    that mapped to the out-of-vocabulary row."""
+
+    dense: torch.Tensor
+    sparse: SparseFeatures
+    oov_counts: dict[str, int] = field(default_factory=dict)
+    one_id_per_bag: bool = False  # every bag holds one id (offsets = 0..F*B): concat is a reshape
+
+    @property
+    def size(self) -> int:
+        return int(self.dense.shape[0])
+
+    @staticmethod
+    def concat(batches: list[EncodedBatch]) -> EncodedBatch:
+        """The rows of every batch, in order, as one batch (feature-major ids re-interleaved)."""
+        if len(batches) == 1:
+            return batches[0]
+        f = batches[0].sparse.num_features
+        oov: dict[str, int] = {}
+        for b in batches:
+            for k, v in b.oov_counts.items():
+                oov[k] = oov.get(k, 0) + v
+        dense = torch.cat([b.dense for b in batches])
+        if all(b.one_id_per_bag for b in batches):
+            ids = torch.cat([b.sparse.ids.view(f, -1) for b in batches], dim=1).reshape(-1)
+            ws = [b.sparse.weights for b in batches]
+            w = torch.cat([x.view(f, -1) for x in ws], dim=1).reshape(-1) if ws[0] is not None else None  # type: ignore[union-attr]
+            return EncodedBatch(dense, SparseFeatures(ids, torch.arange(ids.numel() + 1), f, w), oov, True)
+        ids, lengths, weights = [], [], []
+        for feat in range(f):
+            for b in batches:
+                s = b.sparse.feature_slice(feat, feat + 1)
+                ids.append(s.ids)
+                lengths.append(s.lengths)
+                if s.weights is not None:
+                    weights.append(s.weights)
+        ln = torch.cat(lengths)
+        offsets = torch.cat([ln.new_zeros(1), ln.cumsum(0)])
+        w = torch.cat(weights) if weights else None
+        return EncodedBatch(dense, SparseFeatures(torch.cat(ids), offsets, f, w), oov)
+
+
+def check_program_pickle_free(path: Path) -> None:
+    """Refuse a ``.pt2`` archive in which ``torch.export.load`` (torch 2.13) would unpickle something:
+    pickled weights or constants (tensor subclasses, loaded with ``torch.load(weights_only=False)``),
+    torchbind / opaque object constants (``pickle.loads``) or non-empty sample inputs (``torch.load``, which
+    falls back to ``weights_only=False`` when the restricted load fails). ``recstack export`` writes none."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                name = info.filename
+                if "/data/sample_inputs/" in name and info.file_size:
+                    raise ArtifactError(f"{path}: holds pickled sample inputs ({name}); refused")
+                if name.endswith("_config.json") and ("/data/weights/" in name or "/data/constants/" in name):
+                    for key, entry in json.loads(z.read(name))["config"].items():
+                        if entry.get("use_pickle") or not str(entry.get("path_name", "")).startswith(
+                                ("weight_", "tensor_")):
+                            raise ArtifactError(f"{path}: {key!r} is a pickled object ({name}); refused")
+    except (zipfile.BadZipFile, KeyError, ValueError) as e:
+        if isinstance(e, ArtifactError):
+            raise
+        raise ArtifactError(f"{path}: not a torch.export archive ({e})") from e
+
+
+def load_program(path: Path, device: torch.device) -> torch.nn.Module:
+    """The exported dense program as a module on ``device``, after ``check_program_pickle_free``."""
+    check_program_pickle_free(path)
+    try:
+        ep = torch.export.load(path)
+    except Exception as e:  # a damaged archive raises many kinds of errors
+        raise ArtifactError(f"{path}: torch.export.load failed ({type(e).__name__}: {e})") from e
+    return ep.module().to(device)
+
+
+class ServingModel:
+    """See the module docstring for the contract."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any], device: torch.device) -> None:
+        self.path, self.manifest, self.device = path, manifest, device
+        self.version = int(manifest["version"])
+        m = manifest["model"]
+        self.num_dense = int(m["num_dense"])
+        groups, index = [], {}
+        for w, f in manifest["table_files"].items():
+            data = self._array(f["data"], f["data_shape"], f["data_dtype"])
+            sb = self._array(f["scale_bias"], [f["data_shape"][0], 2], "float16") if f["scale_bias"] else None
+            index[w] = len(groups)
+            groups.append(QuantizedRows(w, int(m["embedding_dim"]), data, sb, device))
+        tables = manifest["tables"]
+        slot = {f: t for t in tables for f in t["features"]}  # collection feature -> its table
+        feats = range(len(slot))
+        self.collection = QuantizedEmbeddingCollection(groups, [index[slot[f]["width"]] for f in feats],
+                                                       [slot[f]["offset"] for f in feats])
+        self.qr: QRSplit | None = None
+        if m.get("qr"):
+            q, feats = m["qr"], manifest["features"]
+            raw = table_configs([f["capped_rows"] for f in feats], int(m["embedding_dim"]), [f["table"] for f in feats])
+            self.qr = QRSplit.build(raw, q["collisions"], q["threshold"], q["operation"])
+        self.program = load_program(path / manifest["dense_program"]["file"], device)
+        self.transforms = FeatureTransforms.load(path, manifest)
+        self.feature_names = self.transforms.feature_names
+        self.raw_fields, self.id_fields = self.transforms.raw_fields, self.transforms.id_fields
+
+    def _array(self, rel: str, shape: list[int], dtype: str) -> np.ndarray:
+        if rel not in self.manifest["files"]:  # so that it was checked, and lies inside the artifact
+            raise ArtifactError(f"{self.path / 'manifest.json'}: {rel!r} is not in its file list")
+        f = self.path / rel
+        try:
+            a = np.load(f, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise ArtifactError(f"{f}: unreadable array ({e})") from e
+        if list(a.shape) != list(shape) or a.dtype != np.dtype(dtype):
+            raise ArtifactError(f"{f}: {a.dtype} {list(a.shape)}, the manifest says {dtype} {list(shape)}")
+        return a
+
+    @staticmethod
+    def load(model_dir: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> ServingModel:
+        path = Path(model_dir)
+        manifest = read_manifest(path, verify)
+        try:
+            return ServingModel(path, manifest, torch.device(device))
+        except (KeyError, TypeError) as e:
+            raise ArtifactError(f"{path / 'manifest.json'}: incomplete manifest ({type(e).__name__}: {e})") from e
+
+    # ------------------------------------------------------------------------------------------ encode
+    def encode(self, rows: list[dict[str, Any]], ids: bool = False) -> EncodedBatch:
+        t = self.transforms
+        dense, bags, oov = t.encode_ids(rows) if ids else t.encode_raw(rows)
+        return self._batch(dense, bags, oov)
+
+    def encode_candidates(self, shared: dict[str, Any], candidates: list[dict[str, Any]],
+                          ids: bool = False) -> EncodedBatch:
+        if not isinstance(shared, dict):
+            raise RequestError("shared features must be an object", "shared")
+        if not isinstance(candidates, list) or not candidates:
+            raise RequestError("expected a non-empty list of candidates", "candidates")
+        rows = []
+        for i, c in enumerate(candidates):
+            if not isinstance(c, dict):
+                raise RequestError("a candidate must be an object", None, i)
+            both = shared.keys() & c.keys()
+            if both:
+                raise RequestError("given both in shared and in a candidate", sorted(both)[0], i)
+            rows.append({**shared, **c})
+        return self.encode(rows, ids)
+
+    def _batch(self, dense: np.ndarray, bags: Bags, oov: dict[str, int]) -> EncodedBatch:
+        """Per-feature bags -> feature-major SparseFeatures with ids capped (modulo, as the loader does) and
+        the weights the prepared data gives (mean pooling: 1 / bag size)."""
+        t = self.transforms
+        n, f = len(dense), len(bags)
+        dense_t = torch.from_numpy(np.ascontiguousarray(dense, np.float32))
+        if not any(s["multi_hot"] for s in t.features):  # one id a bag: [F, B] ids, capped at once
+            ids = np.stack([b[1] for b in bags]) % t.caps[:, None]
+            w = torch.ones(f * n) if t.needs_weights else None
+            sparse = SparseFeatures(torch.from_numpy(ids.reshape(-1)), torch.arange(f * n + 1), f, w)
+            return EncodedBatch(dense_t, sparse, oov, one_id_per_bag=True)
+        ids, lengths, weights = [], [], []
+        for k, (ln, fid, w) in enumerate(bags):
+            ids.append(fid % t.caps[k] if t.caps[k] < t.rows[k] else fid)
+            lengths.append(ln)
+            w = np.ones(len(fid), np.float32) if w is None else w.astype(np.float32)
+            if t.features[k]["pooling"] == "mean":
+                w = w / np.repeat(np.maximum(ln, 1), ln).astype(np.float32)
+            weights.append(w)
+        ln = np.concatenate(lengths)
+        offsets = np.zeros(len(ln) + 1, np.int64)
+        np.cumsum(ln, out=offsets[1:])
+        sparse = SparseFeatures(torch.from_numpy(np.concatenate(ids).astype(np.int64)), torch.from_numpy(offsets),
+                                f, torch.from_numpy(np.concatenate(weights)) if t.needs_weights else None)
+        return EncodedBatch(dense_t, sparse, oov)
+
+    # ------------------------------------------------------------------------------------------ score
+    @torch.inference_mode()
+    def score(self, batch: EncodedBatch) -> torch.Tensor:
+        sparse = batch.sparse.to(self.device)
+        if self.qr is not None:
+            sparse = self.qr.split(sparse)
+        pooled = self.collection(sparse)
+        args = (pooled, batch.dense.to(self.device)) if self.num_dense else (pooled,)
+        return self.program(*args).float().cpu()
