@@ -80,10 +80,10 @@ def _at_least_1(text: str) -> int:
 
 def run_serve(args: argparse.Namespace) -> None:
     """``recstack serve``: check the flags, load (and verify) the model to serve, run until SIGTERM / SIGINT."""
-    from recstack.training.config import check_device_name
     from recstack.serving.artifact import MANIFEST, ArtifactError, list_versions
     from recstack.serving.model import ServingModel
     from recstack.serving.server import ServeOptions, serve
+    from recstack.training.config import check_device_name
 
     check_device_name(args.device, check_available=True, field="--device")
     if args.max_wait_us < 0:

@@ -139,7 +139,9 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
         (tmp / "tables").mkdir()
         # One file (and one scale/bias file) per width, the tables of that width stacked in table order: a
         # lookup then gathers from one array per width, whatever the number of tables.
-        entries, files, offsets = [], {}, {}
+        entries: list[dict[str, Any]] = []
+        files: dict[str, dict[str, Any]] = {}
+        offsets: dict[str, int] = {}
         for w in sorted(set(widths.values()), key=WIDTHS.index):
             rows = sum(t.num_embeddings for t in emb.tables if widths[t.name] == w)
             data_rel, sb_rel = f"tables/{w}.npy", f"tables/{w}.sb.npy" if w in LEVELS else None

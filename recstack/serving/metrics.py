@@ -52,11 +52,11 @@ class ServerMetrics:
         self.rows = Counter("recstack_rows", "Rows scored", registry=r)
         self.oov = Counter("recstack_oov", "Values of a feature that mapped to its out-of-vocabulary row; "
                            "divided by recstack_rows_total: the out-of-vocabulary rate", ["feature"], registry=r)
+        # Gauge's multiprocess_mode defaults to "all"; it matters only in multi-process mode
         self.in_flight = Gauge("recstack_requests_in_flight", "Scoring requests received and not yet answered",
-                               registry=r, **({"multiprocess_mode": "livesum"} if self.shared else {}))
-        gauge_kw = {"multiprocess_mode": "liveall"} if self.shared else {}
+                               registry=r, multiprocess_mode="livesum" if self.shared else "all")
         self.version = Gauge("recstack_model_version", "Version of the model being served", registry=r,
-                             **gauge_kw)
+                             multiprocess_mode="liveall" if self.shared else "all")
         self.swaps = Counter("recstack_model_swaps", "Newer model versions switched to", registry=r)
         self.refused = Counter("recstack_model_refused", "Model versions refused (failed to load or to verify)",
                                registry=r)

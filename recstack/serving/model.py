@@ -88,18 +88,20 @@ class EncodedBatch:
             ws = [b.sparse.weights for b in batches]
             w = torch.cat([x.view(f, -1) for x in ws], dim=1).reshape(-1) if ws[0] is not None else None  # type: ignore[union-attr]
             return EncodedBatch(dense, SparseFeatures(ids, torch.arange(ids.numel() + 1), f, w), oov, True)
-        ids, lengths, weights = [], [], []
+        id_parts: list[torch.Tensor] = []
+        length_parts: list[torch.Tensor] = []
+        weight_parts: list[torch.Tensor] = []
         for feat in range(f):
             for b in batches:
                 s = b.sparse.feature_slice(feat, feat + 1)
-                ids.append(s.ids)
-                lengths.append(s.lengths)
+                id_parts.append(s.ids)
+                length_parts.append(s.lengths)
                 if s.weights is not None:
-                    weights.append(s.weights)
-        ln = torch.cat(lengths)
+                    weight_parts.append(s.weights)
+        ln = torch.cat(length_parts)
         offsets = torch.cat([ln.new_zeros(1), ln.cumsum(0)])
-        w = torch.cat(weights) if weights else None
-        return EncodedBatch(dense, SparseFeatures(torch.cat(ids), offsets, f, w), oov)
+        w = torch.cat(weight_parts) if weight_parts else None
+        return EncodedBatch(dense, SparseFeatures(torch.cat(id_parts), offsets, f, w), oov)
 
 
 def check_program_pickle_free(path: Path) -> None:
@@ -142,7 +144,8 @@ class ServingModel:
         self.version = int(manifest["version"])
         m = manifest["model"]
         self.num_dense = int(m["num_dense"])
-        groups, index = [], {}
+        groups: list[QuantizedRows] = []
+        index: dict[str, int] = {}
         for w, f in manifest["table_files"].items():
             data = self._array(f["data"], f["data_shape"], f["data_dtype"])
             sb = self._array(f["scale_bias"], [f["data_shape"][0], 2], "float16") if f["scale_bias"] else None
@@ -217,19 +220,22 @@ class ServingModel:
             w = torch.ones(f * n) if t.needs_weights else None
             sparse = SparseFeatures(torch.from_numpy(ids.reshape(-1)), torch.arange(f * n + 1), f, w)
             return EncodedBatch(dense_t, sparse, oov, one_id_per_bag=True)
-        ids, lengths, weights = [], [], []
-        for k, (ln, fid, w) in enumerate(bags):
-            ids.append(fid % t.caps[k] if t.caps[k] < t.rows[k] else fid)
-            lengths.append(ln)
-            w = np.ones(len(fid), np.float32) if w is None else w.astype(np.float32)
+        id_parts: list[np.ndarray] = []
+        length_parts: list[np.ndarray] = []
+        weight_parts: list[np.ndarray] = []
+        for k, (ln, fid, bag_w) in enumerate(bags):
+            id_parts.append(fid % t.caps[k] if t.caps[k] < t.rows[k] else fid)
+            length_parts.append(ln)
+            wk: np.ndarray = np.ones(len(fid), np.float32) if bag_w is None else bag_w.astype(np.float32)
             if t.features[k]["pooling"] == "mean":
-                w = w / np.repeat(np.maximum(ln, 1), ln).astype(np.float32)
-            weights.append(w)
-        ln = np.concatenate(lengths)
+                wk = wk / np.repeat(np.maximum(ln, 1), ln).astype(np.float32)
+            weight_parts.append(wk)
+        ln = np.concatenate(length_parts)
         offsets = np.zeros(len(ln) + 1, np.int64)
         np.cumsum(ln, out=offsets[1:])
-        sparse = SparseFeatures(torch.from_numpy(np.concatenate(ids).astype(np.int64)), torch.from_numpy(offsets),
-                                f, torch.from_numpy(np.concatenate(weights)) if t.needs_weights else None)
+        sparse = SparseFeatures(torch.from_numpy(np.concatenate(id_parts).astype(np.int64)),
+                                torch.from_numpy(offsets), f,
+                                torch.from_numpy(np.concatenate(weight_parts)) if t.needs_weights else None)
         return EncodedBatch(dense_t, sparse, oov)
 
     # ------------------------------------------------------------------------------------------ score

@@ -77,7 +77,7 @@ def quantize_rows(rows: np.ndarray, width: str) -> tuple[np.ndarray, np.ndarray 
     scale = _fp16_toward(span / levels, 1.0)
     scale[scale == 0] = np.float16(1.0)  # a constant row: every code is 0, any scale decodes it
     s64 = scale.astype(np.float64)
-    codes = np.clip(np.rint((x - b64[:, None]) / s64[:, None]), 0, levels).astype(np.uint8)
+    codes: np.ndarray = np.clip(np.rint((x - b64[:, None]) / s64[:, None]), 0, levels).astype(np.uint8)
     if width == "int4":
         if codes.shape[1] % 2:
             codes = np.concatenate([codes, np.zeros((len(codes), 1), np.uint8)], axis=1)

@@ -251,7 +251,7 @@ def serve(opts: ServeOptions, model: ServingModel | None, host: str, port: int, 
     # process end with 0 after the graceful shutdown instead of dying of the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
-    common = {"host": host, "port": port, "access_log": False, "timeout_graceful_shutdown": 30,
+    common: dict[str, Any] = {"host": host, "port": port, "access_log": False, "timeout_graceful_shutdown": 30,
               "log_level": "info"}
     if workers == 1:
         torch.set_num_threads(opts.threads)

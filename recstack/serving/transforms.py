@@ -154,7 +154,10 @@ class FeatureTransforms:
                 dense[i, j] = r[name]
         bags: Bags = []
         for spec in self.features:
-            name, lengths, ids, weights = spec["name"], [], [], []
+            name = spec["name"]
+            lengths: list[int] = []
+            ids: list[int] = []
+            weights: list[float] = []
             for i, r in enumerate(rows):
                 v, w = r[name], None
                 if spec["weighted"] and isinstance(v, dict):
