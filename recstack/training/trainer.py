@@ -253,10 +253,10 @@ class Trainer:
                 if t.eval_every and self.has_eval and p.step % t.eval_every == 0 and p.step < self.total_steps:
                     result = self.evaluate()  # on every rank the same (gathered) figures, so all stop together
                     self.logger.log(p.step, "eval", result)
-                    saved = self._select(result)
-                    tick = window_t0 = time.perf_counter()
                     if self._reached_target(result):
                         reached = result
+                    saved = self._select(result)  # after target_step is set: a checkpoint it writes records it
+                    tick = window_t0 = time.perf_counter()
                     if m.stopped_step is not None:
                         reached = result
                         if self.is_main:
