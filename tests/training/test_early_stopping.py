@@ -78,6 +78,18 @@ def test_early_stopping_stops_and_eval_uses_the_best(small_data: Path, tmp_path:
     assert json.loads(explicit.stdout)["auc"] == pytest.approx(evals[-1]["auc"], abs=1e-6)
 
 
+def test_best_checkpoint_with_cached_tiers(small_data: Path, tmp_path: Path) -> None:
+    """A directory checkpoint (ckpt_<step>/ with the cached tables' files) is kept and read back the same way."""
+    run = tmp_path / "run"
+    tiers = ['memory.device="4392"', 'memory.host="10800"', f'memory.ssd_dir="{tmp_path / "ssd"}"']
+    summary = Trainer(small_config(small_data, [*OVERFIT, *STOP, *tiers]), run).train()
+    best = run / "checkpoints" / "best" / f"ckpt_{summary['best_step']:09d}"
+    assert best.is_dir() and summary["stopped_step"] is not None
+    res = run_cli(["eval", "--checkpoint", str(run)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout)["auc"] == pytest.approx(summary["best"]["auc"], abs=1e-6)
+
+
 def test_resume_after_sigkill_stops_at_the_same_step_with_the_same_best(small_data: Path, tmp_path: Path) -> None:
     options = [*SMALL, *OVERFIT, *STOP, "train.checkpoint_every=20", "train.keep_checkpoints=0"]
     whole = cli_train(tmp_path / "whole", small_data, options)
