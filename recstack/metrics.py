@@ -12,6 +12,10 @@ Definitions (N examples, logits x, probabilities q = sigmoid(x) in float64, labe
 * ``ne``           logloss / H(p) with p = mean(y) and H the binary entropy: the loss relative to always
                    predicting the base rate (NE = 1). NaN when p is 0 or 1 (H(p) = 0).
 * ``calibration``  mean(q) / mean(y); NaN when mean(y) = 0.
+* ``ece``          expected calibration error over ``ECE_BINS`` = 15 equal-width bins of q on [0, 1] (bin
+                   b holds b/15 <= q < (b+1)/15, q = 1 in the last): sum over bins of n_b / N *
+                   |mean(q in b) - mean(y in b)|. 0 for a perfectly calibrated model; unlike ``calibration``
+                   it sees a model that is too confident in both directions. ``reliability()`` gives the bins.
 * ``accuracy``     fraction classified right at q > 0.5. A soft label y scores
                    y * [q > 0.5] + (1 - y) * [q <= 0.5].
 * ``auc``          probability that a random positive scores above a random negative, ties counting 1/2.
@@ -21,6 +25,7 @@ Definitions (N examples, logits x, probabilities q = sigmoid(x) in float64, labe
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 # Positions in the float64 running-sum vector.
 _LOSS, _LABEL, _PRED, _CORRECT, _COUNT = range(5)
 _NUM_SUMS = 5
+ECE_BINS = 15  # equal-width probability bins of the expected calibration error and the reliability diagram
 
 
 def _as_1d(x: torch.Tensor | np.ndarray, field: str) -> torch.Tensor:
@@ -243,12 +249,27 @@ class BinaryMetrics:
     def num_examples(self) -> int:
         return 0 if self._sums is None else int(round(float(self._sums[_COUNT])))
 
+    def reliability(self, bins: int = ECE_BINS) -> dict[str, list[Any]]:
+        """The reliability diagram's data: per equal-width probability bin (``lower`` edge, ``upper`` edge) the
+        ``count`` of examples, their ``mean_prediction`` and their observed ``rate`` (mean label; NaN in an
+        empty bin)."""
+        logits, labels = self._flat()
+        count, q_sum, y_sum = calibration_bins(logits, labels, bins)
+        nan = float("nan")
+        return {
+            "lower": [b / bins for b in range(bins)],
+            "upper": [(b + 1) / bins for b in range(bins)],
+            "count": [int(c) for c in count.tolist()],
+            "mean_prediction": [q / c if c else nan for q, c in zip(q_sum.tolist(), count.tolist(), strict=True)],
+            "rate": [y / c if c else nan for y, c in zip(y_sum.tolist(), count.tolist(), strict=True)],
+        }
+
     def compute(self) -> dict[str, float]:
         """Whole-set metrics; every value is NaN (and num_examples 0) before the first update."""
         nan = float("nan")
         n = self.num_examples
         if n == 0 or self._sums is None:
-            keys = ("auc", "logloss", "ne", "calibration", "accuracy", "ctr", "mean_prediction")
+            keys = ("auc", "logloss", "ne", "calibration", "ece", "accuracy", "ctr", "mean_prediction")
             return {**dict.fromkeys(keys, nan), "num_examples": 0}
         loss_sum, label_sum, pred_sum, correct_sum, _ = self._sums.tolist()
         logloss = loss_sum / n
@@ -260,11 +281,32 @@ class BinaryMetrics:
             "logloss": logloss,
             "ne": logloss / _binary_entropy(ctr),
             "calibration": mean_pred / ctr if ctr > 0.0 else nan,
+            "ece": expected_calibration_error(logits, labels),
             "accuracy": correct_sum / n,
             "num_examples": n,
             "ctr": ctr,
             "mean_prediction": mean_pred,
         }
+
+
+def calibration_bins(logits: torch.Tensor, labels: torch.Tensor, bins: int = ECE_BINS
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N] logits and labels -> float64 [bins] (count, sum of q, sum of y) per equal-width bin of the
+    probability q = sigmoid(logit) on [0, 1] (q = 1 falls in the last bin)."""
+    q = torch.sigmoid(logits.double())
+    index = (q * bins).long().clamp_(0, bins - 1)
+    out = torch.zeros(3, bins, dtype=torch.float64, device=q.device)
+    out[0].index_add_(0, index, torch.ones_like(q))
+    out[1].index_add_(0, index, q)
+    out[2].index_add_(0, index, labels.double())
+    return out[0], out[1], out[2]
+
+
+def expected_calibration_error(logits: torch.Tensor, labels: torch.Tensor, bins: int = ECE_BINS) -> float:
+    """sum_b n_b / N * |mean q_b - mean y_b| over ``calibration_bins``; NaN without examples."""
+    count, q_sum, y_sum = calibration_bins(logits, labels, bins)
+    n = float(count.sum())
+    return float((q_sum - y_sum).abs().sum()) / n if n else float("nan")
 
 
 def streaming_auc(scores: np.ndarray, labels: np.ndarray, block_rows: int = 1 << 20, group_bins: int = 64) -> float:

@@ -19,7 +19,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for name, func in (("eval", run_eval), ("predict", run_predict)):
         e = sub.add_parser(name, help=f"{name} with a trained checkpoint")
         e.add_argument("--checkpoint", required=True,
-                       help="checkpoint (ckpt_<step>.pt, or a torchrun run's step_<step>/) or run directory")
+                       help="checkpoint (ckpt_<step>.pt, or a torchrun run's step_<step>/), used as given, or run "
+                            "directory: its best checkpoint when it trained with train.early_stopping, else its "
+                            "newest")
+        e.add_argument("--last", action="store_true",
+                       help="with a run directory: its newest checkpoint even when it kept a best one")
         e.add_argument("--data", required=name == "predict",
                        help="prepared data directory" + ("" if name == "predict" else " (default: the rows the "
                              "run evaluated on: data.eval, else the held-out tail of its training set)"))
@@ -56,7 +60,7 @@ def run_eval(args: argparse.Namespace) -> None:
     from recstack.data.format import PreparedDataset
     from recstack.training.inference import evaluate, evaluation_rows, load_model
 
-    cfg, model = load_model(args.checkpoint, _device(args.device))
+    cfg, model = load_model(args.checkpoint, _device(args.device), last=args.last)
     if args.data:
         data = PreparedDataset(args.data)
         rows, what = (0, len(data)), f"{data.path}: all {len(data)} rows (--data)"
@@ -80,7 +84,7 @@ def run_predict(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {out}: expected a .npy or .csv file name")
     if out.exists() and not args.overwrite:  # checked before the (long) scoring
         raise FileExistsError(f"--out {out} exists (pass --overwrite to replace it)")
-    cfg, model = load_model(args.checkpoint, _device(args.device))
+    cfg, model = load_model(args.checkpoint, _device(args.device), last=args.last)
     logits, labels = predict_logits(cfg, model, PreparedDataset(args.data), args.batch_size)
     prob = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,12 +43,19 @@ def run(args: argparse.Namespace) -> dict:
     if not trainer.is_main:
         return summary
     print(json.dumps(summary, indent=2))
-    auc, ne = summary.get("auc"), summary.get("ne")
-    if auc is None:  # no evaluation rows
+    if summary.get("auc") is None:  # no evaluation rows
         print("final eval: none (no evaluation rows)")
         return summary
-    line = f"final eval: AUC {auc:.4f}  NE {ne:.4f}"
+    line = f"final eval: {_figures(summary)}"
     if "oracle_auc" in summary:
         line += f"  (generator's oracle AUC {summary['oracle_auc']:.4f})"
     print(line)
+    if summary.get("best_step") is not None:  # train.early_stopping: the checkpoint eval/predict use
+        print(f"best eval: step {summary['best_step']}  {_figures(summary['best'])}")
     return summary
+
+
+def _figures(m: dict) -> str:
+    """AUC, logloss and NE of an evaluation (an undefined one as nan)."""
+    return "  ".join(f"{name} {float('nan') if m.get(k) is None else m[k]:.4f}"
+                     for name, k in (("AUC", "auc"), ("logloss", "logloss"), ("NE", "ne")))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from recstack.errors import ConfigError
@@ -26,6 +26,10 @@ class OptimConfig:
     lr_warmup_steps: int = 0
     lr_decay_start_step: int = 0
     lr_decay_steps: int = 0
+    # Reduce both learning rates x plateau_factor when train.early_stopping.metric has not improved by its
+    # min_delta for plateau_patience evaluations (0 = off; needs train.eval_every > 0).
+    plateau_factor: float = 0.5
+    plateau_patience: int = 0
 
     def validate(self) -> None:
         """Learning rates and eps finite and in range, a schedule LRSchedule accepts; errors name the field."""
@@ -36,10 +40,31 @@ class OptimConfig:
                 raise ConfigError(f"optim.{name}: must be finite and >= 0, got {getattr(self, name)}")
         if not 0.0 < self.eps < math.inf:
             raise ConfigError(f"optim.eps: must be finite and > 0, got {self.eps}")
+        if not 0.0 < self.plateau_factor < 1.0:
+            raise ConfigError(f"optim.plateau_factor: must be in (0, 1), got {self.plateau_factor}")
+        if self.plateau_patience < 0:
+            raise ConfigError(f"optim.plateau_patience: must be >= 0, got {self.plateau_patience}")
         try:
             LRSchedule(self.lr_warmup_steps, self.lr_decay_start_step, self.lr_decay_steps)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """``train.early_stopping``: stop when ``metric`` on the evaluation set has not improved by more than
+    ``min_delta`` for ``patience`` evaluations in a row (0 = off), and keep the best checkpoint. ``metric`` is
+    also what ``optim.plateau_patience`` watches."""
+
+    metric: Literal["auc", "logloss"] = "auc"
+    patience: int = 0  # evaluations; 0 = never stop early
+    min_delta: float = 0.0
+
+    def validate(self) -> None:
+        if self.patience < 0:
+            raise ConfigError(f"train.early_stopping.patience: must be >= 0, got {self.patience}")
+        if not 0.0 <= self.min_delta < math.inf:
+            raise ConfigError(f"train.early_stopping.min_delta: must be finite and >= 0, got {self.min_delta}")
 
 
 @dataclass
@@ -58,6 +83,7 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     progress: bool = True
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
     def validate(self, check_device: bool = True) -> None:
         """Counts in range, something to train, a device of the right form; with ``check_device`` a CUDA
@@ -77,6 +103,10 @@ class TrainConfig:
             raise ConfigError(f"train.target_auc: must be in [0, 1), got {self.target_auc}")
         if self.target_auc and not self.eval_every:
             raise ConfigError("train.target_auc: needs train.eval_every > 0 (the AUC is checked at each evaluation)")
+        self.early_stopping.validate()
+        if self.early_stopping.patience and not self.eval_every:
+            raise ConfigError("train.early_stopping: needs train.eval_every > 0 (the metric is checked at each "
+                              "evaluation)")
 
 
 def check_device_name(name: str, check_available: bool, field: str = "train.device") -> None:

@@ -1,6 +1,6 @@
 """A training run's evaluation: the pass over the evaluation rows (every rank scores its slice, the metrics are
 merged across ranks), the generator's oracle AUC on synthetic data, and the run's summary (``summary.json``,
-``curves.png``, ``comm_breakdown.png``)."""
+``curves.png``, ``reliability.png``, ``comm_breakdown.png``)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ from recstack.embedding.collection import EmbeddingCollection
 from recstack.metrics import BinaryMetrics, auc
 from recstack.training.step import Progress
 
-METRICS = ("auc", "logloss", "ne", "calibration", "accuracy")  # what summary.json reports of an evaluation
+METRICS = ("auc", "logloss", "ne", "calibration", "ece", "accuracy")  # what summary.json reports of an evaluation
 
 
 @torch.no_grad()
 def evaluate_loader(net: torch.nn.Module, loader: BatchLoader, device: torch.device,
-                    embeddings: EmbeddingCollection, world: int) -> dict[str, float]:
-    """Score every batch of ``loader`` from its start with ``net`` (left in training mode) -> the metrics of
-    ``recstack.metrics.BinaryMetrics``, on every rank the same (gathered) figures. Collective under torchrun."""
+                    embeddings: EmbeddingCollection, world: int) -> BinaryMetrics:
+    """Score every batch of ``loader`` from its start with ``net`` (left in training mode) -> the accumulated
+    ``recstack.metrics.BinaryMetrics``, on every rank the same (gathered) ones. Collective under torchrun."""
     net.eval()
     metrics = BinaryMetrics()
     loader.position = LoaderPosition()
@@ -38,7 +38,7 @@ def evaluate_loader(net: torch.nn.Module, loader: BatchLoader, device: torch.dev
         from recstack.distributed.parallelize import all_gather_metrics
 
         metrics = all_gather_metrics(metrics)
-    return metrics.compute()
+    return metrics
 
 
 def oracle_auc(ds: PreparedDataset, rows: tuple[int, int]) -> float | None:
@@ -52,11 +52,17 @@ def oracle_auc(ds: PreparedDataset, rows: tuple[int, int]) -> float | None:
     return float(auc(p, y))
 
 
+def select_metrics(result: dict[str, float]) -> dict[str, float]:
+    """What ``summary.json`` reports of an evaluation ``result``."""
+    return {k: result[k] for k in METRICS if k in result}
+
+
 def summarize(final: dict[str, float], progress: Progress, world: int, target_auc: float,
-              oracle: float | None) -> dict[str, Any]:
+              oracle: float | None, reliability: dict[str, list[Any]] | None = None) -> dict[str, Any]:
     """The run's summary: the final evaluation's metrics (``final``, empty without evaluation rows), steps,
-    samples, throughput, the target AUC's step and the gap to the oracle AUC closed."""
-    out: dict[str, Any] = {k: final[k] for k in METRICS if k in final}
+    samples, throughput, the target AUC's step, the gap to the oracle AUC closed and the final evaluation's
+    ``reliability`` bins (``BinaryMetrics.reliability``)."""
+    out: dict[str, Any] = select_metrics(final)
     out["eval_examples"] = final.get("num_examples", 0)
     out["steps"] = progress.step
     out["train_samples"] = progress.samples
@@ -68,16 +74,28 @@ def summarize(final: dict[str, float], progress: Progress, world: int, target_au
     if oracle is not None:
         out["oracle_auc"] = oracle
         out["auc_gap_closed"] = (out["auc"] - 0.5) / (oracle - 0.5) if oracle > 0.5 and "auc" in out else None
+    if final and reliability is not None:
+        out["reliability"] = reliability
     return out
 
 
 def write_summary(summary: dict[str, Any], output_dir: Path, comm_breakdown: bool, pipelined: bool) -> None:
     """``summary.json`` and the plots of ``metrics.jsonl`` (the communication breakdown under torchrun)."""
     # An undefined metric (AUC of a one-class evaluation set) is null: JSON has no NaN.
-    safe = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
-    (output_dir / "summary.json").write_text(json.dumps(safe, indent=2, allow_nan=False))
-    from recstack.training.plots import plot_comm_breakdown, plot_curves
+    (output_dir / "summary.json").write_text(json.dumps(_finite(summary), indent=2, allow_nan=False))
+    from recstack.training.plots import plot_comm_breakdown, plot_curves, plot_reliability
 
     plot_curves(output_dir / "metrics.jsonl", output_dir / "curves.png")
+    if "reliability" in summary:
+        plot_reliability(summary["reliability"], output_dir / "reliability.png")
     if comm_breakdown:
         plot_comm_breakdown(output_dir / "metrics.jsonl", output_dir / "comm_breakdown.png", pipelined=pipelined)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float (in dicts and lists too) as None."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -20,12 +20,16 @@ from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.checkpointer import Checkpointer
 
 
-def load_model(checkpoint: str | Path, device: str | torch.device = "cpu") -> tuple[Config, DLRM]:
+def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", last: bool = False
+               ) -> tuple[Config, DLRM]:
     """A checkpoint (a ``ckpt_<step>.pt`` file, a ``ckpt_<step>/`` directory of cached-tier tables, or a
-    ``step_<step>/`` directory of a torchrun run's sharded tables), or a run or checkpoints directory (its newest
-    valid checkpoint) -> (config, model) in one process. Notes such as the embedding placement go to stderr, so
-    that stdout carries only the caller's results."""
-    state = Checkpointer.read(checkpoint, device)
+    ``step_<step>/`` directory of a torchrun run's sharded tables), used as given, or a run or checkpoints
+    directory (the best checkpoint of a run with ``train.early_stopping`` unless ``last``, else its newest valid
+    checkpoint) -> (config, model) in one process. Notes such as the embedding placement and the checkpoint
+    chosen go to stderr, so that stdout carries only the caller's results."""
+    state = Checkpointer.read(checkpoint, device, last=last)
+    if Path(state["path"]).resolve() != Path(checkpoint).resolve():
+        print(f"checkpoint: {state['path']} (step {state.get('step')})", file=sys.stderr)
     where = state["path"]
     missing = [k for k in ("config", "num_dense", "table_sizes", "model") if k not in state]
     if missing:  # e.g. an ExFM stream's checkpoint

@@ -3,7 +3,8 @@ reference's ``--lr-num-warmup-steps / --lr-decay-start-step / --lr-num-decay-ste
 Terabyte runs): linear warm-up, constant, then a quadratic decay to 0.
 
 The factor is a pure function of the step about to run, so a resumed run continues the schedule exactly
-(the step counter is in every checkpoint) and no state needs saving.
+(the step counter is in every checkpoint) and no state needs saving. ``LRScaler.reduction`` multiplies it by
+the plateau reductions (``recstack.training.early_stopping.Monitor``, which checkpoints them).
 """
 
 from __future__ import annotations
@@ -54,18 +55,20 @@ class LRSchedule:
 
 
 class LRScaler:
-    """Applies ``schedule.factor(step)`` to every parameter group of ``dense`` (from the learning rates it
-    had when this was made) and to every embedding collection's sparse optimizer in ``model``."""
+    """Applies ``schedule.factor(step) * reduction`` to every parameter group of ``dense`` (from the learning
+    rates it had when this was made) and to every embedding collection's sparse optimizer in ``model``.
+    ``reduction``: the learning-rate reduction on plateau so far (1 = none), set by the Trainer."""
 
     def __init__(self, schedule: LRSchedule, dense: torch.optim.Optimizer, model: torch.nn.Module) -> None:
         self.schedule = schedule
         self.dense = dense
         self.base = [float(g["lr"]) for g in dense.param_groups]  # before a checkpoint's (scaled) lr is loaded
         self.collections = [m for m in model.modules() if isinstance(m, EmbeddingCollection)]
+        self.reduction = 1.0
 
     def set_step(self, step: int) -> float:
         """Set the learning rates for ``step``; -> the factor."""
-        f = self.schedule.factor(step)
+        f = self.schedule.factor(step) * self.reduction
         for g, lr in zip(self.dense.param_groups, self.base, strict=True):
             g["lr"] = lr * f
         for c in self.collections:

@@ -1,4 +1,5 @@
-"""Training curves from a run's ``metrics.jsonl``: train loss, eval AUC and eval NE over step.
+"""Training curves from a run's ``metrics.jsonl``: train loss, eval AUC and eval NE over step; the final
+evaluation's reliability diagram; the distributed step's time breakdown.
 
 Drawing goes through an explicit Agg canvas on a ``matplotlib.figure.Figure`` rather than ``pyplot``, so
 it needs no display, leaves the process-wide backend alone and is safe to call from a training loop.
@@ -148,6 +149,40 @@ def plot_comm_breakdown(metrics_jsonl: Path | str, out_png: Path | str, pipeline
         ax.set_title("time per training step by phase")
         ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def plot_reliability(bins: dict[str, list[Any]], out_png: Path | str) -> Path:
+    """The reliability diagram of ``BinaryMetrics.reliability()``'s ``bins``: per probability bin the
+    observed click rate against the mean prediction (on the diagonal when calibrated), each point labelled
+    with its count, over a histogram of the counts (log scale)."""
+    out = Path(out_png)
+    fig = Figure(figsize=(6, 7), layout="constrained")
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+    top.plot([0, 1], [0, 1], color="gray", linestyle="--", linewidth=1, label="calibrated")
+    points = [(q, r, c) for q, r, c in zip(bins["mean_prediction"], bins["rate"], bins["count"], strict=True)
+              if c and q is not None and r is not None and math.isfinite(q) and math.isfinite(r)]
+    if points:
+        top.plot([p[0] for p in points], [p[1] for p in points], marker="o", linewidth=1, label="model")
+        for q, r, c in points:
+            top.annotate(f"{c}", (q, r), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    else:
+        top.text(0.5, 0.5, "no evaluation examples", ha="center", va="center")
+    top.set_xlim(0, 1)
+    top.set_ylim(0, 1)
+    top.set_ylabel("observed rate")
+    top.set_title(f"reliability ({len(bins['count'])} equal-width bins)")
+    top.grid(True, alpha=0.3)
+    top.legend(loc="upper left")
+    lower, upper = bins["lower"], bins["upper"]
+    bottom.bar(lower, bins["count"], width=[u - lo for lo, u in zip(lower, upper, strict=True)], align="edge")
+    if any(bins["count"]):
+        bottom.set_yscale("log")
+    bottom.set_xlabel("predicted probability")
+    bottom.set_ylabel("examples")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     return out

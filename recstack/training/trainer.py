@@ -3,7 +3,9 @@
 Steps: read a batch -> forward -> BCE loss -> backward (embedding rows are updated inside backward by the
 collection's fused optimizer) -> dense optimizer step (``step.py``). Metrics go to ``metrics.jsonl`` and
 TensorBoard, checkpoints to ``<output_dir>/checkpoints`` (``checkpoint/``), the final evaluation to
-``summary.json`` and ``curves.png`` (``evaluate.py``). The rows come from ``recstack.data.sources``.
+``summary.json`` and ``curves.png`` (``evaluate.py``). The rows come from ``recstack.data.sources``. With
+``train.early_stopping`` or ``optim.plateau_patience`` every evaluation goes to an ``early_stopping.Monitor``,
+which stops the run, reduces the learning rates and names the best checkpoint (kept in ``checkpoints/best/``).
 """
 
 from __future__ import annotations
@@ -31,13 +33,22 @@ from recstack.distributed import parallelize
 from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config
-from recstack.errors import PeerFailure
+from recstack.errors import ConfigError, PeerFailure
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.checkpointer import Checkpointer
 from recstack.training.checkpoint.resume import claim_output_dir
-from recstack.training.checkpoint.state import CompressionState, Keyed, LoaderState, ModelState, RNGState, RunInfo
-from recstack.training.evaluate import evaluate_loader, oracle_auc, summarize, write_summary
+from recstack.training.checkpoint.state import (
+    CompressionState,
+    Keyed,
+    LoaderState,
+    ModelState,
+    RNGState,
+    RunInfo,
+    Stateful,
+)
+from recstack.training.early_stopping import Monitor
+from recstack.training.evaluate import evaluate_loader, oracle_auc, select_metrics, summarize, write_summary
 from recstack.training.logger import MetricsLogger
 from recstack.training.lr_schedule import LRScaler, LRSchedule
 from recstack.training.step import Progress, build_dense_optimizer, optimizer_step, resolve_device, seed_everything
@@ -77,17 +88,25 @@ class Trainer:
         self.compression.attach(self.model)  # eb codecs learn which table each chunk carries; --dump-a2a hook
         self.optimizer = build_dense_optimizer(cfg.optim, self.model.dense_parameters())
         o = cfg.optim
+        self.monitor = Monitor(t.early_stopping, o)
+        if o.plateau_patience and not t.eval_every:
+            raise ConfigError("optim.plateau_patience: needs train.eval_every > 0 (the metric is checked at each "
+                              "evaluation)")
         schedule = LRSchedule(o.lr_warmup_steps, o.lr_decay_start_step, o.lr_decay_steps)
-        self.lr = LRScaler(schedule, self.optimizer, self.model) if schedule.active else None
+        active = schedule.active or o.plateau_patience > 0
+        self.lr = LRScaler(schedule, self.optimizer, self.model) if active else None
         self.total_steps = t.max_steps or t.epochs * len(self.train_loader)
         self.progress = Progress()
+        self._reliability: dict[str, list[Any]] | None = None  # of the latest evaluation
+        # The monitor's state is in the checkpoint only when it is used: other runs' checkpoints stay as they were.
+        selection: list[Stateful] = [self.monitor] if self.monitor.active else []
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints" if self.output_dir else None, self.model.embeddings, self.world,
             self.device, keep=t.keep_checkpoints,
             replicated=[ModelState(self.model, self.world > 1, self.device), Keyed("dense_optimizer", self.optimizer),
                         LoaderState(self.train_loader, t.shuffle, self.is_main), self.progress, RNGState(),
                         RunInfo(cfg.to_dict(), self.model.num_dense, self.table_sizes, self.train_ds.table_names,
-                                self.world)],
+                                self.world), *selection],
             rank_local=[CompressionState(self.compression, self.device)],
         )
         if resume:
@@ -157,6 +176,17 @@ class Trainer:
             left = self.cfg.train.epochs * per_epoch - (pos.epoch * per_epoch + pos.batch)
             self.total_steps = self.step + max(0, left)
         print(f"resume: continuing from {state['path']} (step {self.step})")
+        m = self.monitor
+        if self.lr is not None:
+            self.lr.reduction = m.lr_factor
+        if m.stops and m.best_step is not None and self.checkpointer.best_step() != m.best_step:
+            # Stopped between writing the best checkpoint and linking it: link it now.
+            ckpt = self.checkpointer.checkpoint_at(m.best_step)
+            if ckpt is not None:
+                self.checkpointer.mark_best(ckpt, m.best_step, m.best, self.is_main)
+            elif self.is_main:
+                print(f"resume: the best checkpoint (step {m.best_step}) is gone; the best from here on is kept",
+                      file=sys.stderr)
 
     def save(self) -> Path | None:
         return self.checkpointer.save(self.step)
@@ -187,8 +217,10 @@ class Trainer:
                    unit="step", dynamic_ncols=True)
         window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, time.perf_counter(), 0.0, 0.0
         tick = window_t0  # train_seconds counts data wait + steps, not evaluation or checkpoints
-        reached: dict[str, float] | None = None  # the evaluation that reached train.target_auc
-        while p.step < self.total_steps and reached is None and p.target_step is None:
+        reached: dict[str, float] | None = None  # the evaluation that reached train.target_auc or stopped the run
+        final_saved = False
+        m = self.monitor
+        while p.step < self.total_steps and reached is None and p.target_step is None and m.stopped_step is None:
             epoch = self.train_loader.iterate_epoch(limit=self.total_steps - p.step)
             for batch in self.input_pipeline.batches(epoch):
                 self.compression.begin_step(p.step)
@@ -223,10 +255,18 @@ class Trainer:
                 if t.eval_every and self.has_eval and p.step % t.eval_every == 0 and p.step < self.total_steps:
                     result = self.evaluate()  # on every rank the same (gathered) figures, so all stop together
                     self.logger.log(p.step, "eval", result)
-                    tick = window_t0 = time.perf_counter()
                     if self._reached_target(result):
                         reached = result
-                if t.checkpoint_every and p.step % t.checkpoint_every == 0:
+                    saved = self._select(result)  # after target_step is set: a checkpoint it writes records it
+                    tick = window_t0 = time.perf_counter()
+                    if m.stopped_step is not None:
+                        reached = result
+                        if self.is_main:
+                            print(f"early stopping at step {p.step}: eval {m.metric} has not improved for "
+                                  f"{m.patience} evaluations (best {m.best_value:.6f} at step {m.best_step})")
+                else:
+                    saved = False
+                if t.checkpoint_every and p.step % t.checkpoint_every == 0 and not saved:
                     self.save()
                     tick = time.perf_counter()
                 if p.step >= self.total_steps or reached is not None:
@@ -236,21 +276,51 @@ class Trainer:
             final = reached
         elif self.has_eval:
             final = self.evaluate()
-            if not any(r["step"] == p.step and r["kind"] == "eval" for r in self.logger.kept):
+            new = not any(r["step"] == p.step and r["kind"] == "eval" for r in self.logger.kept)
+            if new:
                 self.logger.log(p.step, "eval", final)  # (a finished run resumed has it already)
             self._reached_target(final)  # the last evaluation counts too
+            if new and m.active and m.stopped_step is None and self._select(final, final=True):
+                final_saved = True
         else:
             final = {}  # no evaluation rows: no metrics
-        self.save()
+        if not final_saved:
+            self.save()
         oracle = oracle_auc(self.eval_ds, (self.eval_loader.start, self.eval_loader.end)) if self.has_eval else None
-        summary = summarize(final, p, self.world, t.target_auc, oracle)
+        summary = summarize(final, p, self.world, t.target_auc, oracle, self._reliability)
+        if m.stops:
+            summary.update(best_step=m.best_step, best=select_metrics(m.best), stopped_step=m.stopped_step)
         if self.output_dir and self.is_main:
             write_summary(summary, self.output_dir, self.world > 1, self.cfg.dist.pipeline)
         self.logger.close()
         return summary
 
     def evaluate(self) -> dict[str, float]:
-        return evaluate_loader(self.net, self.eval_loader, self.device, self.model.embeddings, self.world)
+        """The metrics of the evaluation rows (the same on every rank); keeps their reliability bins for the
+        summary's diagram."""
+        metrics = evaluate_loader(self.net, self.eval_loader, self.device, self.model.embeddings, self.world)
+        self._reliability = metrics.reliability()
+        return metrics.compute()
+
+    def _select(self, result: dict[str, float], final: bool = False) -> bool:
+        """Give the evaluation ``result`` of this step to the monitor: a new best is saved as a checkpoint and
+        kept (with early stopping), a plateau lowers the learning rates. -> whether a checkpoint was saved.
+        Collective under torchrun (every rank has the same ``result``, so all save alike)."""
+        m = self.monitor
+        if not m.active:
+            return False
+        best = m.update(self.step, result)
+        if self.lr is not None and self.lr.reduction != m.lr_factor:
+            self.lr.reduction = m.lr_factor
+            if self.is_main and not final:
+                print(f"step {self.step}: eval {m.metric} has not improved for {m.plateau_patience} evaluations; "
+                      f"learning rates x{m.lr_factor:g}")
+        if not (best and m.stops):
+            return False
+        path = self.save()
+        if path is not None:
+            self.checkpointer.mark_best(path, self.step, select_metrics(result), self.is_main)
+        return True
 
     def close(self) -> None:
         """Release what the run holds besides memory: the cached embedding tiers' prefetch thread and table files.

@@ -10,10 +10,18 @@ The components (``state.py``, ``step.Progress``) give their state the same way; 
 the checkpoint of the right kind, finds the newest valid one and loads it back (``load_latest``), and reads any
 kind in one process for evaluation (``read``, ``gather_tables``). A run never silently starts over beside the
 other kind.
+
+With ``train.early_stopping`` the best checkpoint is kept apart from the newest ``keep``: ``mark_best`` links
+its files (hard links: no copy on disk) into ``best/`` and names it in ``best.json``, so pruning leaves it, and
+``read`` of a run or checkpoints directory gives it (the newest with ``last``).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import shutil
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,6 +48,9 @@ from recstack.training.checkpoint.single import (
     save_checkpoint,
 )
 from recstack.training.checkpoint.state import Stateful
+
+BEST_DIR = "best"  # in the checkpoints directory: hard links to the best checkpoint's files
+BEST_FILE = "best.json"  # beside it: {"step", "checkpoint" (relative to the checkpoints directory), "metrics"}
 
 
 class Checkpointer:
@@ -100,17 +111,55 @@ class Checkpointer:
             )
         return state
 
+    def mark_best(self, checkpoint: Path, step: int, metrics: dict[str, float], is_main: bool) -> None:
+        """Keep ``checkpoint`` (just written at ``step``) as the best: its files linked into ``best/`` (the one
+        before it removed) and ``best.json`` rewritten. Rank 0 only; call it after ``save``."""
+        if self.directory is None or not is_main:
+            return
+        best_dir = self.directory / BEST_DIR
+        best_dir.mkdir(exist_ok=True)
+        target = best_dir / checkpoint.name
+        _remove(target)
+        # A file checkpoint with any files beside it that share its name (such as a checksum), or a directory.
+        for src in [checkpoint, *checkpoint.parent.glob(checkpoint.name + ".*")]:
+            if not src.name.endswith((".tmp", ".old")):
+                _link(src, best_dir / src.name)
+        record = {"step": step, "checkpoint": f"{BEST_DIR}/{checkpoint.name}",
+                  "metrics": {k: v if isinstance(v, int) or math.isfinite(v) else None for k, v in metrics.items()}}
+        tmp = self.directory / (BEST_FILE + ".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        os.replace(tmp, self.directory / BEST_FILE)  # best.json names the new one before the old one goes
+        for old in best_dir.iterdir():
+            if not old.name.startswith(checkpoint.name):
+                _remove(old)
+
+    def best_step(self) -> int | None:
+        """The step that ``best.json`` names (None: no best kept)."""
+        record = read_best(self.directory) if self.directory is not None else None
+        return None if record is None else int(record["step"])
+
+    def checkpoint_at(self, step: int) -> Path | None:
+        """This run's checkpoint of ``step`` in the checkpoints directory, None when it is not there (pruned)."""
+        if self.directory is None:
+            return None
+        found = list_sharded(self.directory) if self.world > 1 else list_checkpoints(self.directory)
+        return next((p for p in found if _step_of(p) == step), None)
+
     @staticmethod
-    def read(checkpoint: str | Path, device: str | torch.device = "cpu") -> dict[str, Any]:
-        """One process, no process group: a checkpoint of any kind, or a run or checkpoints directory (its
-        newest valid checkpoint) -> its state with ``path``. A sharded checkpoint's tables are not in it:
-        :meth:`gather_tables` puts them there once the model is built."""
+    def read(checkpoint: str | Path, device: str | torch.device = "cpu", last: bool = False) -> dict[str, Any]:
+        """One process, no process group: a checkpoint of any kind, or a run or checkpoints directory (the best
+        checkpoint when the run kept one (``best.json``) and not ``last``, else its newest valid checkpoint)
+        -> its state with ``path``. A sharded checkpoint's tables are not in it: :meth:`gather_tables` puts
+        them there once the model is built."""
         path = Path(checkpoint)
         sharded = path  # a torchrun checkpoint: tables in DCP files, the rest in trainer.pt
         if not (path / SHARDED_STATE_FILE).is_file():
             if not path.is_dir() or (path / STATE_FILE).is_file():
                 return {**load_checkpoint(path, device), "path": str(path)}
             ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+            best = None if last else read_best(ckpt_dir)
+            if best is not None:
+                return Checkpointer.read(ckpt_dir / best["checkpoint"], device)
             state = latest_checkpoint(ckpt_dir, device)  # the newest valid one of one process, else of torchrun
             if state is not None:
                 return state
@@ -131,6 +180,33 @@ class Checkpointer:
         state["model"]["embeddings.weight"] = weight.to(device)
         if acc is not None:
             state["model"]["embeddings.accumulator"] = acc.to(device)
+
+
+def read_best(ckpt_dir: Path) -> dict[str, Any] | None:
+    """``best.json`` of a checkpoints directory: {"step", "checkpoint", "metrics"}; None when there is none."""
+    path = ckpt_dir / BEST_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _link(src: Path, dst: Path) -> None:
+    """Hard-link the file or directory tree ``src`` to ``dst`` (a copy where the file system has no links)."""
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    if src.is_dir():
+        shutil.copytree(src, dst, copy_function=link)
+    else:
+        link(str(src), str(dst))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 def _collect(components: list[Stateful]) -> dict[str, Any]:

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 # What a run writes into its --output-dir that a later run into the same directory would mix with its own
 # (generated data under data/ is a cache keyed by its options and stays).
-RUN_OUTPUTS = ("checkpoints", METRICS_FILE, TB_DIR, "summary.json", "curves.png", "comm_breakdown.png")
+RUN_OUTPUTS = ("checkpoints", METRICS_FILE, TB_DIR, "summary.json", "curves.png", "reliability.png",
+               "comm_breakdown.png")
 
 
 def claim_output_dir(output_dir: Path, overwrite: bool, is_main: bool) -> None:
