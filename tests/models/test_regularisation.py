@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import train_steps
+from conftest import train_step, train_steps
 from torch import nn
 
 from recstack.config import load_config
@@ -285,3 +285,70 @@ def test_embedding_dim_without_dense_features_needs_no_bottom_mlp() -> None:
     assert net(Batch(batch.dense[:, :0], batch.sparse, batch.labels)).shape == (32,)
     with pytest.raises(ConfigError, match="model.bottom_mlp: the dot interaction needs it to end in embedding_dim=8"):
         build_model(cfg.model, sparse_optimizer_config(cfg.optim), 3, SIZES, seed=0)  # with dense features it is
+
+
+def test_batch_norm_is_refused_under_torchrun() -> None:
+    """Every rank would keep running statistics of its own samples: wrap_ddp stops before any collective."""
+    from recstack.distributed.parallelize import wrap_ddp
+
+    with pytest.raises(ConfigError, match="model.mlp_norm"):
+        wrap_ddp(_model(mlp_norm="batch"), torch.device("cpu"))
+
+
+REGULARISED = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", 'model.mlp_norm="layer"',
+               'optim.sparse="rowwise_adagrad"', "optim.sparse_lr=0.05", "optim.dense_lr=0.05",
+               "optim.sparse_weight_decay=0.01", "optim.dense_weight_decay=0.01"]
+
+
+def _train_regularised(data: Path, rank: int, world: int, placements: list | None) -> tuple[list[float], list]:
+    """20 steps of a global batch of 64 with layer norm and both weight decays -> (losses, full tables)."""
+    from recstack.data.format import PreparedDataset
+    from recstack.data.loader import BatchLoader
+    from recstack.distributed.parallelize import shard_model, wrap_ddp
+
+    cfg = load_config(None, REGULARISED)
+    ds = PreparedDataset(data)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, sparse_optimizer_config(cfg.optim), 13, ds.table_sizes, seed=0,
+                        names=[s.name for s in ds.sparse_features], tables_on_meta=placements is not None)
+    net: nn.Module = model
+    if placements is not None:
+        model = shard_model(model, placements, 0, torch.device("cpu"))
+        net = wrap_ddp(model, torch.device("cpu"))
+    opt = build_dense_optimizer(cfg.optim, model.dense_parameters())
+    it = BatchLoader(ds, 64 // world, (0, len(ds)), rank=rank, world_size=world, prefetch=0).iterate_epoch()
+    losses = []
+    for _ in range(20):
+        loss = train_step(net, opt, next(it)).clone()
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(float(loss))
+    return losses, [model.embeddings.table_weight(t.name) for t in model.embeddings.tables]
+
+
+def _model_worker(rank: int, world: int, init_file: str, data: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = {name: _train_regularised(Path(data), rank, world, [(name, [0, 1] if name == "row_wise" else [t % 2])
+                                                                      for t in range(4)])
+                   for name in ("row_wise", "table_wise")}
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_regularised_model_under_two_ranks_matches_one_process(tiny_dataset: Path, tmp_path: Path) -> None:
+    """Layer norm, dense and sparse weight decay: 2 gloo ranks (row- and table-wise tables, DDP) train as one
+    process on the same global batches."""
+    torch.set_num_threads(1)
+    ref_losses, ref_tables = _train_regularised(tiny_dataset, 0, 1, None)
+    out = tmp_path / "model.pt"
+    mp.spawn(_model_worker, args=(2, str(tmp_path / "init"), str(tiny_dataset), str(out)), nprocs=2, join=True)
+    for name, (losses, tables) in torch.load(out, weights_only=False).items():
+        assert losses == pytest.approx(ref_losses, abs=1e-5), name
+        for t, r in zip(tables, ref_tables, strict=True):
+            torch.testing.assert_close(t, r, atol=1e-5, rtol=1e-4, msg=f"{name}: tables differ")
+    assert ref_losses[-1] < ref_losses[0]
