@@ -110,7 +110,7 @@ class MLP(nn.Sequential):
     def __init__(self, sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none") -> None:
         layers = mlp_layers(sizes, last_activation, dropout, norm)
         super().__init__(*layers)
-        after = [*layers[1:], None]  # whether a ReLU follows each Linear
+        after = [*layers[1:], None]  # whether a ReLU follows each Linear (read by the fused step: plain MLPs only)
         self._relu = tuple(isinstance(after[i], nn.ReLU) for i, m in enumerate(layers) if isinstance(m, nn.Linear))
         self._num_modules = len(layers)
         # The fused step knows Linear and ReLU only: with normalisation or dropout the plain modules run.
