@@ -353,3 +353,20 @@ def test_regularised_model_under_two_ranks_matches_one_process(tiny_dataset: Pat
         for t, r in zip(tables, ref_tables, strict=True):
             torch.testing.assert_close(t, r, atol=1e-5, rtol=1e-4, msg=f"{name}: tables differ")
     assert ref_losses[-1] < ref_losses[0]
+
+
+def test_libfm_data_trains_with_only_embedding_dim_changed(tmp_path: Path) -> None:
+    """The reported case: a Frappe-layout libFM set (categorical fields only) prepared with the repo's schema,
+    then `--set model.embedding_dim=8` and nothing about the bottom MLP."""
+    from conftest import REPO
+
+    from recstack.cli.main import main
+    from recstack.data.examples import frappe_like, write_libfm
+
+    labels, idx, _ = frappe_like(2000, seed=1)
+    train = write_libfm(tmp_path / "train.libfm", labels, idx)
+    assert main(["data", "prepare", "--schema", str(REPO / "configs" / "schemas" / "frappe_libfm.toml"), str(train),
+                 "--out", str(tmp_path / "data"), "--no-progress"]) == 0
+    summary = train_steps(tmp_path / "data", None, ["model.embedding_dim=8", "train.max_steps=5"],
+                          base=["train.threads=1", "train.progress=false"])
+    assert summary["steps"] == 5
