@@ -17,6 +17,7 @@ from recstack.distributed.comm import CommStats
 from recstack.distributed.config import DistConfig
 from recstack.distributed.planner.types import PlanError, PlanPlacements, ShardingPlan, Topology
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
+from recstack.errors import ConfigError
 from recstack.metrics import BinaryMetrics
 from recstack.models.dlrm import DLRM
 
@@ -76,6 +77,10 @@ def shard_model(
 def wrap_ddp(model: DLRM, device: torch.device, stats: CommStats | None = None) -> DDP:
     """DDP over the dense parameters only: embedding buffers differ per rank and update themselves.
     With ``stats``, each gradient bucket's all-reduce is timed (launch to completion; it overlaps backward)."""
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        # each rank would keep running statistics of its own samples (SyncBatchNorm is CUDA-only in torch)
+        raise ConfigError('model.mlp_norm: "batch" is not supported under torchrun (every rank would evaluate and '
+                          'checkpoint running statistics of its own samples); use "layer"')
     ignore = [f"embeddings.{name}" for name, _ in model.embeddings.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)

@@ -6,6 +6,14 @@ update only the touched rows in place. Row-wise Adagrad needs the gradient summe
 in Neo's fused optimizer) and keeps one accumulator per row (the mean of the squared gradient over the row),
 not one per element. SGD is linear in the gradient, so on CPU it skips the aggregation and adds each id's
 scaled gradient straight into its row: the same update up to float rounding, still in a fixed order.
+
+Weight decay (``weight_decay`` = wd, L2 on the rows a step touches, lazily, as FBGEMM's / TorchRec's fused
+optimizers with ``WeightDecayMode.L2`` and FuxiCTR's ``embedding_regularizer``): for every distinct row r
+that the step's ids touch, once however often r occurs, the summed gradient becomes g_r + wd * w_r (w_r the
+row before the step), and the optimizer then updates with it: SGD w_r -= lr * (g_r + wd * w_r); row-wise
+Adagrad accumulates the mean square of that gradient. Rows the step does not touch neither decay nor move.
+This is the gradient of (wd / 2) * sum over the touched rows of ||w_r||^2 added to the loss. wd = 0 (the
+default) leaves the update exactly as without it.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ class SparseOptimizerConfig:
     lr: float = 0.1
     eps: float = 1e-8
     initial_accumulator_value: float = 0.0
+    weight_decay: float = 0.0  # L2 on the touched rows (module docstring)
 
     def __post_init__(self) -> None:
         if self.kind not in ("sgd", "rowwise_adagrad"):
@@ -42,11 +51,15 @@ class SparseOptimFields(Protocol):
     def eps(self) -> float: ...
     @property
     def adagrad_init(self) -> float: ...
+    @property
+    def sparse_weight_decay(self) -> float: ...
 
 
 def sparse_optimizer_config(optim: SparseOptimFields) -> SparseOptimizerConfig:
-    """``[optim]`` -> the embeddings' optimizer (``sparse``, ``sparse_lr``, ``eps``, ``adagrad_init``)."""
-    return SparseOptimizerConfig(optim.sparse, optim.sparse_lr, optim.eps, optim.adagrad_init)
+    """``[optim]`` -> the embeddings' optimizer (``sparse``, ``sparse_lr``, ``eps``, ``adagrad_init``,
+    ``sparse_weight_decay``)."""
+    return SparseOptimizerConfig(optim.sparse, optim.sparse_lr, optim.eps, optim.adagrad_init,
+                                 optim.sparse_weight_decay)
 
 
 def aggregate_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,16 +113,20 @@ class SparseOptimizer:
             return
         grads = grads.to(weight.dtype)
         lr = self.config.lr * self.lr_scale
-        if self.config.kind == "sgd":
-            if weight.is_cuda:  # atomics would make the order of the adds vary: sum per row first
-                uniq, g = aggregate_rows(rows, grads)
-                weight.index_add_(0, uniq, g.mul_(-lr))
-            else:
-                # A serial loop over the ids in order on CPU. The step is folded into the gradient because
-                # index_add_ with alpha != 1 takes a much slower path.
-                weight.index_add_(0, rows, grads * -lr)
+        wd = self.config.weight_decay
+        if self.config.kind == "sgd" and not wd and not weight.is_cuda:
+            # A serial loop over the ids in order on CPU. The step is folded into the gradient because
+            # index_add_ with alpha != 1 takes a much slower path.
+            weight.index_add_(0, rows, grads * -lr)
             return
-        uniq, g = aggregate_rows(rows, grads)
+        # Sum per distinct row first: on CUDA index_add_'s atomics would make the order of the adds vary, and
+        # the weight decay is once per distinct row.
+        uniq, g = aggregate_rows(rows, grads)  # [U], [U, D]
+        if wd:
+            g.add_(weight.index_select(0, uniq), alpha=wd)  # g_r + wd * w_r
+        if self.config.kind == "sgd":
+            weight.index_add_(0, uniq, g.mul_(-lr))
+            return
         assert accumulator is not None
         acc = accumulator[uniq] + g.pow(2).mean(dim=1)  # [U]
         accumulator[uniq] = acc

@@ -49,6 +49,7 @@ def build_model(
     ``tables_on_meta``: the embedding collection is built on the ``meta`` device, shapes without values, for a
     model whose tables will be sharded (``recstack.distributed.parallelize.shard_model`` builds the shards);
     the dense layers are on ``device`` all the same, drawn in the same order."""
+    model.check_dense(num_dense)  # the bottom MLP's widths, now that the data's dense features are known
     tables = table_configs(table_sizes, model.embedding_dim, names)
     qr = QRSplit.build(tables, model.qr_collisions, model.qr_threshold, model.qr_operation)
     if qr is not None:  # the collection holds the quotient and remainder tables

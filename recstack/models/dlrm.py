@@ -15,14 +15,15 @@ from recstack.data.batch import Batch
 from recstack.embedding.collection import EmbeddingCollection
 from recstack.embedding.qr import QRSplit
 from recstack.models.config import ModelConfig
-from recstack.models.fused_mlp import MLP
+from recstack.models.fused_mlp import MLP, Norm
 from recstack.models.interaction import CatInteraction, DCNv2Interaction, DotInteraction
 
 
-def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
+def mlp(sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none") -> nn.Sequential:
     """Linear layers sizes[0] -> ... -> sizes[-1], ReLU between (and after the last if asked): an ``MLP``
-    (a Sequential of Linear/ReLU modules with a fused training step), DLRM reference init."""
-    return MLP(sizes, last_activation)
+    (a Sequential of Linear/ReLU modules with a fused training step), DLRM reference init; ``dropout`` and
+    ``norm`` regularise the hidden layers (``mlp_layers``)."""
+    return MLP(sizes, last_activation, dropout, norm)
 
 
 class DLRM(nn.Module):
@@ -41,7 +42,8 @@ class DLRM(nn.Module):
         self.qr = qr
         self.num_dense = num_dense
         # No dense features -> no bottom MLP (schema-driven data sets may have only categorical columns).
-        self.bottom = mlp([num_dense, *cfg.bottom_mlp], last_activation=True) if num_dense else None
+        drop, norm = cfg.dropout, cfg.mlp_norm  # regularisation of both MLPs' hidden layers
+        self.bottom = mlp([num_dense, *cfg.bottom_mlp], True, drop, norm) if num_dense else None
         dense_dim = cfg.bottom_mlp[-1] if num_dense else 0
         self.interaction: nn.Module
         if cfg.interaction == "dot":
@@ -50,7 +52,7 @@ class DLRM(nn.Module):
             self.interaction = CatInteraction(f, d, dense_dim)
         else:
             self.interaction = DCNv2Interaction(f, d, dense_dim, cfg.dcn_layers, cfg.dcn_low_rank)
-        self.top = mlp([self.interaction.out_dim, *cfg.top_mlp], last_activation=False)
+        self.top = mlp([self.interaction.out_dim, *cfg.top_mlp], False, drop, norm)
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Parameters trained by the dense optimizer (and all-reduced by DDP); embeddings update themselves."""

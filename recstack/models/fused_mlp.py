@@ -6,11 +6,16 @@ its forward and backward are hand-written: ReLU is applied in place on each laye
 also the next layer's input, so nothing else is kept for backward), there is one autograd node instead of
 three per layer, and on CPU weight gradients are computed in the orientation that keeps MKL on its fast
 path (see ``_weight_grad_transposed``).
+
+With regularisation (``norm`` and/or ``dropout`` in the hidden layers) the Sequential also holds normalisation
+and dropout modules; the hand-written step covers Linear and ReLU only, so such an MLP always runs the plain
+modules' forward and autograd's backward (an MLP without them keeps the fused step, bit for bit).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import nn
@@ -70,36 +75,52 @@ class _FusedMLP(torch.autograd.Function):
         return gx, None, *grads
 
 
-def mlp_layers(sizes: list[int], last_activation: bool) -> list[nn.Module]:
+Norm = Literal["none", "batch", "layer"]
+
+
+def mlp_layers(sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none") -> list[nn.Module]:
     """Linear layers sizes[0] -> ... -> sizes[-1], ReLU between (and after the last with ``last_activation``),
     initialised as in the DLRM reference from torch's global RNG, layer by layer:
-    W ~ N(0, sqrt(2 / (fan_in + fan_out))), b ~ N(0, sqrt(1 / fan_out))."""
+    W ~ N(0, sqrt(2 / (fan_in + fan_out))), b ~ N(0, sqrt(1 / fan_out)).
+
+    Every hidden layer (all but the last) is Linear -> [BatchNorm1d | LayerNorm] -> ReLU -> [Dropout(dropout)]
+    with ``norm`` / ``dropout`` > 0 (as FuxiCTR's MLP blocks); the last layer never gets them (the bottom MLP's
+    output is an interaction vector, the top MLP's a logit). The normalisations draw nothing (weight 1, bias 0),
+    so the Linear layers get the same values with or without them."""
     layers: list[nn.Module] = []
+    last = len(sizes) - 2
     for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         lin = nn.Linear(m, n)
         with torch.no_grad():
             lin.weight.normal_(0.0, math.sqrt(2.0 / (m + n)))
             lin.bias.normal_(0.0, math.sqrt(1.0 / n))
         layers.append(lin)
-        if i < len(sizes) - 2 or last_activation:
+        if i < last and norm != "none":
+            layers.append(nn.BatchNorm1d(n) if norm == "batch" else nn.LayerNorm(n))
+        if i < last or last_activation:
             layers.append(nn.ReLU())
+        if i < last and dropout > 0.0:
+            layers.append(nn.Dropout(dropout))
     return layers
 
 
 class MLP(nn.Sequential):
     """The layers of ``mlp_layers``; input [B, sizes[0]] -> [B, sizes[-1]]."""
 
-    def __init__(self, sizes: list[int], last_activation: bool) -> None:
-        layers = mlp_layers(sizes, last_activation)
+    def __init__(self, sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none") -> None:
+        layers = mlp_layers(sizes, last_activation, dropout, norm)
         super().__init__(*layers)
-        after = [*layers[1:], None]  # whether a ReLU follows each Linear
+        after = [*layers[1:], None]  # whether a ReLU follows each Linear (read by the fused step: plain MLPs only)
         self._relu = tuple(isinstance(after[i], nn.ReLU) for i, m in enumerate(layers) if isinstance(m, nn.Linear))
         self._num_modules = len(layers)
+        # The fused step knows Linear and ReLU only: with normalisation or dropout the plain modules run.
+        self._plain = all(isinstance(m, (nn.Linear, nn.ReLU)) for m in layers)
 
     def _fusable(self, x: torch.Tensor) -> bool:
-        """The hand-written step covers plain float 2-D inputs of the layers built in __init__ only."""
+        """The hand-written step covers plain float 2-D inputs of Linear/ReLU layers built in __init__ only."""
         return (
-            len(self) == self._num_modules  # nobody appended or removed modules since
+            self._plain
+            and len(self) == self._num_modules  # nobody appended or removed modules since
             and x.dim() == 2
             and x.dtype == self[0].weight.dtype
             and not torch.is_autocast_enabled(x.device.type)

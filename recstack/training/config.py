@@ -12,7 +12,12 @@ from recstack.errors import ConfigError
 @dataclass
 class OptimConfig:
     """Dense part: ``dense`` in sgd | adagrad | adam. Embeddings: ``sparse`` in sgd | rowwise_adagrad,
-    applied inside backward (no dense table gradient is built)."""
+    applied inside backward (no dense table gradient is built).
+
+    L2 regularisation, off (0) by default: ``dense_weight_decay`` is the dense optimizer's ``weight_decay``
+    (grad += wd * p on every dense parameter, torch's coupled L2 for all three optimizers);
+    ``sparse_weight_decay`` decays only the embedding rows a step touches, once per distinct row, inside the
+    fused update (``recstack.embedding.sparse_optim``)."""
 
     dense: Literal["sgd", "adagrad", "adam"] = "sgd"
     dense_lr: float = 0.1
@@ -20,6 +25,8 @@ class OptimConfig:
     sparse_lr: float = 0.1
     eps: float = 1e-8
     adagrad_init: float = 0.0
+    dense_weight_decay: float = 0.0
+    sparse_weight_decay: float = 0.0
     # Both learning rates x a schedule (recstack.training.lr_schedule): linear warm-up over lr_warmup_steps (the first
     # update at 1/lr_warmup_steps), then from lr_decay_start_step a quadratic decay to 0 over lr_decay_steps (0 =
     # none), as the DLRM reference.
@@ -35,7 +42,7 @@ class OptimConfig:
         """Learning rates and eps finite and in range, a schedule LRSchedule accepts; errors name the field."""
         from recstack.training.lr_schedule import LRSchedule  # torch: only when a config is checked
 
-        for name in ("dense_lr", "sparse_lr", "adagrad_init"):
+        for name in ("dense_lr", "sparse_lr", "adagrad_init", "dense_weight_decay", "sparse_weight_decay"):
             if not 0.0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"optim.{name}: must be finite and >= 0, got {getattr(self, name)}")
         if not 0.0 < self.eps < math.inf:
