@@ -10,6 +10,7 @@ the first differing fact and each rank's value.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,13 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def data_fingerprint(path: str | Path, rows: int) -> str:
     """A prepared data set's identity: its row count and a SHA-256 of its ``meta.json`` and of the first 64 KiB
-    of each file in the directory (the arrays), so the same path holding other data on another node differs."""
+    of each array file it lists, so that the same path holding other data on another node differs."""
     path = Path(path)
-    h = hashlib.sha256((path / "meta.json").read_bytes())
-    for f in sorted(p for p in path.iterdir() if p.is_file() and p.name != "meta.json"):
-        with open(f, "rb") as fh:
-            h.update(f.name.encode() + b"\0" + fh.read(_ARRAY_PREFIX_BYTES))
+    meta = (path / "meta.json").read_bytes()
+    h = hashlib.sha256(meta)
+    for spec in json.loads(meta)["arrays"].values():  # (PreparedDataset has checked the layout)
+        with open(path / spec["file"], "rb") as f:
+            h.update(f.read(_ARRAY_PREFIX_BYTES))
     return f"rows={rows}, sha256={h.hexdigest()[:16]}"
 
 
