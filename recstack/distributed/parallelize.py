@@ -34,12 +34,17 @@ def is_peer_failure(e: BaseException) -> bool:
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
     """Join the job started by torchrun (env:// rendezvous): NCCL with one GPU per process when CUDA is
     available, gloo on CPU otherwise. ``timeout_s`` bounds every collective, so if a rank dies the others
-    fail with an error instead of hanging. -> (rank, world size, device)."""
+    fail with an error instead of hanging (on the default group here; every group recstack makes later gets the
+    same bound). NCCL enforces it with its watchdog: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (default 3) makes a
+    rank whose collective timed out tear itself down, since the CPU may be blocked on the GPU stream where no
+    Python error can reach it. -> (rank, world size, device)."""
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+        # torch's default; 0 (no handling) would let a timed-out NCCL collective hang the rank for ever
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     if not dist.is_initialized():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -63,13 +68,15 @@ def shard_model(
     backward_codec: str | Codec = "fp32",
     ranks_per_node: int | None = None,
     aggregate_gradients: bool = False,
+    timeout_s: float | None = None,
 ) -> DLRM:
     """Replace the model's collection (built on ``meta`` for this: ``build_model(tables_on_meta=True)``, or a
-    real one, whose rows are not read) with a sharded one holding this rank's shards of the same initial rows."""
+    real one, whose rows are not read) with a sharded one holding this rank's shards of the same initial rows.
+    ``timeout_s``: the bound of the collection's collectives (``dist.timeout_s``)."""
     emb = model.embeddings
     model.embeddings = ShardedEmbeddingCollection(
         emb.tables, emb.optimizer.config, placements, seed, device, forward_codec, backward_codec, ranks_per_node,
-        aggregate_gradients,
+        aggregate_gradients, timeout_s=timeout_s,
     )
     return model
 

@@ -25,6 +25,7 @@ there (``init_block``), one chunk at a time: the model's own collection can be a
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,11 +135,14 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         ranks_per_node: int | None = None,
         aggregate_gradients: bool = False,
         local_collection: LocalCollection = fused_local,
+        timeout_s: float | None = None,
     ) -> None:
         """placements[t] = (sharding type, ranks) for table t, as in a ShardingPlan. ``aggregate_gradients``:
         the backward exchange sends one row per distinct id of one-hot features (grad_aggregation.py).
         ``local_collection`` builds the collections of this rank's shards (one per shard dim); the tables'
-        rows come from ``init_table`` with ``seed``, only the shards of this rank are ever drawn."""
+        rows come from ``init_table`` with ``seed``, only the shards of this rank are ever drawn. ``timeout_s``:
+        the bound of every collective of the collection's process groups (``dist.timeout_s``; None: torch's
+        default, 30 minutes), so a stopped peer makes them fail instead of waiting that long."""
         super().__init__(tables, optimizer)
         if len(placements) != len(tables):
             raise ValueError(f"{len(placements)} placements for {len(tables)} tables")
@@ -148,10 +152,11 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(device)
         # Separate groups so that embedding collectives never interleave with DDP's or each other's.
-        self.ids_group = dist.new_group()
-        self.out_group = dist.new_group()
-        self.dp_group = dist.new_group()
-        self.pipeline_group = dist.new_group()  # input distribution run ahead from the loader thread
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+        self.ids_group = dist.new_group(timeout=timeout)
+        self.out_group = dist.new_group(timeout=timeout)
+        self.dp_group = dist.new_group(timeout=timeout)
+        self.pipeline_group = dist.new_group(timeout=timeout)  # input distribution run ahead from the loader thread
         self.stats = CommStats()
         self.forward_codec, self.backward_codec = forward_codec, backward_codec
         self.aggregate_gradients = aggregate_gradients

@@ -29,7 +29,7 @@ from recstack.data.batch import Batch
 from recstack.data.format import capped_table_sizes
 from recstack.data.loader import BatchLoader
 from recstack.data.sources import prepare_data
-from recstack.distributed import parallelize
+from recstack.distributed import agreement, parallelize
 from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config
@@ -70,6 +70,11 @@ class Trainer:
         self.output_dir = Path(output_dir) if output_dir else None
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             resume = True  # torchrun --max-restarts started us again after a failure: continue, do not redo
+        if self.world > 1:  # before any collective of the run: the same job on every rank, or an error
+            rpn = cfg.dist.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            agreement.check_agreement({**agreement.flatten(cfg.to_dict()), "world size": self.world,
+                                       "ranks per node (dist.ranks_per_node or LOCAL_WORLD_SIZE)": rpn,
+                                       "--resume": resume}, "config and world layout", cfg.dist.timeout_s)
         if self.output_dir and not resume:
             claim_output_dir(self.output_dir, overwrite, self.is_main)
         if self.output_dir and self.is_main:
@@ -156,9 +161,18 @@ class Trainer:
         d = self.cfg.dist
         rpn = d.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         placements = parallelize.placements_from_config(d, [t.name for t in self.model.embeddings.tables], self.world)
+        # the same config may still name other files on another node: the plan's content, the data
+        facts = {f"the resolved placements (dist.plan={d.plan!r}) of table {table.name}": f"{kind} on ranks {ranks}"
+                 for table, (kind, ranks) in zip(self.model.embeddings.tables, placements, strict=True)}
+        data = {"data.train": self.train_ds}
+        if self.eval_ds is not self.train_ds:
+            data["data.eval"] = self.eval_ds
+        for key, ds in data.items():
+            facts[f"the data ({key}={str(ds.path)!r})"] = agreement.data_fingerprint(ds.path, len(ds))
+        agreement.check_agreement(facts, "sharding plan and data", d.timeout_s)
         fwd, bwd = self.compression.codecs()  # names, or configured error-bounded codecs for "eb"
         parallelize.shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn,
-                                d.aggregate_gradients)
+                                d.aggregate_gradients, d.timeout_s)
         sharded = cast(ShardedEmbeddingCollection, self.model.embeddings)  # shard_model put it there
         self.net = parallelize.wrap_ddp(self.model, self.device, sharded.stats)
 

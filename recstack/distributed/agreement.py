@@ -1,0 +1,92 @@
+"""Start-up agreement: before the first training collective, every rank checks that the others run the same job.
+
+Ranks that disagree on the config, the sharding plan, the data or the world layout do not fail cleanly later:
+different batch sizes train for a while and then hang in a collective whose sizes no longer match, different
+shardings die with a shape error deep inside an all-to-all. So each rank gathers every rank's facts (one
+``all_gather_object`` of a small dict) and, where they differ, every rank raises the same ConfigError naming
+the first differing fact and each rank's value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recstack.errors import ConfigError, PeerFailure
+
+_MISSING = "<not set>"
+_ARRAY_PREFIX_BYTES = 1 << 16  # of each array file in the data fingerprint: catches other rows, reads little
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections -> ``{"train.batch_size": 128, ...}`` (the dotted names ``--set`` takes)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def data_fingerprint(path: str | Path, rows: int) -> str:
+    """A prepared data set's identity: its row count and a SHA-256 of its ``meta.json`` and of the first 64 KiB
+    of each array file it lists, so that the same path holding other data on another node differs."""
+    path = Path(path)
+    meta = (path / "meta.json").read_bytes()
+    h = hashlib.sha256(meta)
+    for spec in json.loads(meta)["arrays"].values():  # (PreparedDataset has checked the layout)
+        with open(path / spec["file"], "rb") as f:
+            h.update(f.read(_ARRAY_PREFIX_BYTES))
+    return f"rows={rows}, sha256={h.hexdigest()[:16]}"
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def first_difference(facts: list[dict[str, Any]]) -> str | None:
+    """facts[r]: rank r's facts -> None when every rank has the same, else "NAME: rank 0 has A, rank 1 has B"
+    for the first name (in rank 0's order) that differs; ranks with one value are listed together."""
+    names = list(dict.fromkeys(name for f in facts for name in f))
+    for name in names:
+        values = [f.get(name, _MISSING) for f in facts]
+        if all(v == values[0] for v in values[1:]):
+            continue
+        groups: list[tuple[Any, list[int]]] = []
+        for rank, v in enumerate(values):
+            for value, ranks in groups:
+                if value == v:
+                    ranks.append(rank)
+                    break
+            else:
+                groups.append((v, [rank]))
+        parts = [f"rank {ranks[0]} has {_show(v)}" if len(ranks) == 1 else
+                 f"ranks {', '.join(map(str, ranks))} have {_show(v)}" for v, ranks in groups]
+        return f"{name}: {', '.join(parts)}"
+    return None
+
+
+def check_agreement(facts: dict[str, Any], what: str, timeout_s: float) -> None:
+    """Every rank calls this with its own ``facts`` (name -> a picklable value compared with ``==``); each returns
+    when all agree, else each raises the same ConfigError (exit 2) naming the first difference. ``what``: the
+    kind of facts, for the message; ``timeout_s``: the collective's bound, for the message when a rank never
+    comes (it died first, or waits somewhere else): that is a PeerFailure."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(gathered, facts)
+    except (RuntimeError, torch.distributed.DistError) as e:
+        raise PeerFailure(
+            f"rank {dist.get_rank()}: the start-up check of every rank's {what} failed (a rank died, or none "
+            f"answered within dist.timeout_s={timeout_s:g} s): {e}") from e
+    diff = first_difference(gathered)
+    if diff is not None:
+        raise ConfigError(f"the ranks of this job disagree on their {what}: {diff}; every rank must run the same "
+                          "command on the same files")

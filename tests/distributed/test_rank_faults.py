@@ -1,0 +1,155 @@
+"""Faults between ranks, in real gloo processes: a stopped rank makes the others fail with a PeerFailure within
+``dist.timeout_s`` (every process group has that timeout), and ranks started with different configs, shardings or
+data stop at start-up with one error naming the first difference, before any training collective."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import SMALL, free_port, set_options, start_cli, torchrun, train_args, write_tiny_dataset
+
+TIMEOUT_S = 10  # dist.timeout_s of these runs
+MARGIN_S = 25  # the collective in flight started up to one step before the stop; two shared CPU cores
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie waiting for its parent counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _train_lines(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return sum('"train"' in line for line in path.read_text().splitlines()) if path.is_file() else 0
+
+
+def test_stopped_rank_fails_the_other_within_the_timeout(tiny_dataset: Path, tmp_path: Path) -> None:
+    """SIGSTOP one of two ranks mid-training: the other exits with a PeerFailure (exit 3) within dist.timeout_s and
+    a margin, in whichever collective it waits (embedding all-to-alls, the pipelined input distribution, DDP)."""
+    out = tmp_path / "run"
+    options = [*SMALL, "train.max_steps=100000", "train.log_every=1", f"dist.timeout_s={TIMEOUT_S}",
+               'dist.sharding="row_wise"']
+    proc = start_cli(train_args(out, tiny_dataset, options), launcher=torchrun(2))
+    stopped = None
+    try:
+        deadline = time.time() + 120
+        while _train_lines(out) < 3 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+        assert len(workers) == 2 and proc.poll() is None, "training did not get under way"
+        stopped, other = workers
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.time()
+        while _alive(other) and time.time() - t0 < TIMEOUT_S + 2 * MARGIN_S:
+            time.sleep(0.1)
+        waited = time.time() - t0
+        assert not _alive(other), f"the running rank still waits {waited:.0f} s after its peer stopped"
+        assert waited < TIMEOUT_S + MARGIN_S, f"the running rank gave up only after {waited:.0f} s"
+        os.kill(stopped, signal.SIGKILL)  # (the launcher may have killed it already)
+        _, err = proc.communicate(timeout=60)  # the launcher does not hang either
+    finally:
+        if proc.poll() is None:
+            if stopped is not None and _alive(stopped):
+                os.kill(stopped, signal.SIGKILL)
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0
+    assert "recstack train: error: rank" in err and "dist.timeout_s=10 s" in err, err[-3000:]
+    assert "exitcode  : 3" in err or "exitcode: 3" in err, err[-3000:]
+
+
+def _start_ranks(per_rank: list[list[str]], out: Path, cwds: list[Path] | None = None) -> list[subprocess.Popen]:
+    """``recstack train`` as ranks 0..n-1 of one job, each with its own overrides (torchrun gives every rank the
+    same arguments; this is what ranks started by hand, or on nodes with other files, look like)."""
+    port, world = free_port(), len(per_rank)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    procs = []
+    for rank, options in enumerate(per_rank):
+        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cmd = [sys.executable, "-m", "recstack", "train", "--output-dir", str(out), *set_options(options)]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=cwds[rank] if cwds else None, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 90) -> list[str]:
+    """Wait for every rank (killing all of them after ``timeout`` s) -> their stderr; each must have exited 2."""
+    errs, t0 = [], time.time()
+    try:
+        for p in procs:
+            errs.append(p.communicate(timeout=max(1.0, timeout - (time.time() - t0)))[1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert [p.returncode for p in procs] == [2] * len(procs), [e[-2000:] for e in errs]
+    return errs
+
+
+def _common(data: str) -> list[str]:
+    return [*SMALL, f'data.train="{data}"', "train.max_steps=50", "dist.timeout_s=30"]
+
+
+def test_ranks_with_different_batch_sizes_stop_at_start(tiny_dataset: Path, tmp_path: Path) -> None:
+    common = _common(str(tiny_dataset))
+    errs = _finish(_start_ranks([[*common, "train.batch_size=128"], [*common, "train.batch_size=64"]],
+                                tmp_path / "run"))
+    for e in errs:
+        assert "train.batch_size: rank 0 has 128, rank 1 has 64" in e, e[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_ranks_with_different_shardings_stop_at_start(tiny_dataset: Path, tmp_path: Path) -> None:
+    common = _common(str(tiny_dataset))
+    errs = _finish(_start_ranks([[*common, 'dist.sharding="table_wise"'], [*common, 'dist.sharding="row_wise"']],
+                                tmp_path / "run"))
+    for e in errs:
+        assert "dist.sharding: rank 0 has 'table_wise', rank 1 has 'row_wise'" in e, e[-2000:]
+
+
+def test_ranks_with_different_data_stop_at_start(tmp_path: Path) -> None:
+    """The same data.train (relative) names other files on each rank: the data fingerprints differ."""
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    for seed, cwd in enumerate(cwds):
+        write_tiny_dataset(cwd / "data", rows=4000 + 1000 * seed, seed=seed)
+    errs = _finish(_start_ranks([_common("data")] * 2, tmp_path / "run", cwds))
+    for e in errs:
+        assert "the data (data.train" in e and "rank 0 has" in e and "rows=4000" in e and "rows=5000" in e, e[-2000:]
+
+
+def test_ranks_with_different_plans_stop_at_start(tiny_dataset: Path, tmp_path: Path) -> None:
+    """The same dist.plan path holds another plan on each rank: the resolved placements differ (today: a
+    ``split_with_sizes`` error deep in the first all-to-all)."""
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    tables = ["C1", "C2", "C3", "C4"]
+    for cwd, kind in zip(cwds, ["table_wise", "row_wise"], strict=True):
+        cwd.mkdir()
+        plan = {"world_size": 2, "tables": [{"name": t, "sharding": kind, "ranks": [0] if kind == "table_wise" else
+                                             [0, 1]} for t in tables]}
+        (cwd / "plan.json").write_text(json.dumps(plan))
+    common = [*_common(str(tiny_dataset)), 'dist.plan="plan.json"']
+    errs = _finish(_start_ranks([common, common], tmp_path / "run", cwds))
+    for e in errs:
+        assert "the resolved placements (dist.plan" in e and "C1" in e, e[-2000:]
+
+
+def test_first_difference_names_the_first_field_and_groups_the_ranks() -> None:
+    from recstack.distributed.agreement import first_difference
+
+    same = {"train.batch_size": 64, "dist.sharding": "row_wise"}
+    assert first_difference([same, dict(same), dict(same)]) is None
+    other = [same, {**same, "dist.sharding": "table_wise"}, same, {"train.batch_size": 32}]
+    assert first_difference(other) == "train.batch_size: ranks 0, 1, 2 have 64, rank 3 has 32"
+    assert first_difference(other[:3]) == "dist.sharding: ranks 0, 2 have 'row_wise', rank 1 has 'table_wise'"
