@@ -67,6 +67,9 @@ def validate(cfg: Config, *, check_device: bool = True) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     cfg.memory.validate()
+    if cfg.optim.plateau_patience and not cfg.train.eval_every:
+        raise ConfigError("optim.plateau_patience: needs train.eval_every > 0 (the metric is checked at each "
+                          "evaluation)")
     if cfg.dist.aggregate_gradients and cfg.dist.backward_codec == "eb" and cfg.compression.error_feedback:
         raise ConfigError("dist.aggregate_gradients: cannot be combined with compression.error_feedback (the rows "
                           "of an aggregated gradient belong to different ids every step, so no residual carries)")

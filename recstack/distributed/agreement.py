@@ -9,14 +9,20 @@ the first differing fact and each rank's value.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from recstack.data.format import PreparedDataset
+from recstack.distributed.config import DistConfig
+from recstack.embedding.collection import TableConfig
 from recstack.errors import ConfigError, PeerFailure
 
 _MISSING = "<not set>"
@@ -90,3 +96,46 @@ def check_agreement(facts: dict[str, Any], what: str, timeout_s: float) -> None:
     if diff is not None:
         raise ConfigError(f"the ranks of this job disagree on their {what}: {diff}; every rank must run the same "
                           "command on the same files")
+
+
+def check_job(config: dict[str, Any], dist_cfg: DistConfig, world: int, resume: bool) -> None:
+    """Collective, first of the run: every rank has the same config (every field), world size, ranks per node
+    and ``--resume``; else every rank raises the same ConfigError naming the first difference."""
+    rpn = dist_cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    check_agreement({**flatten(config), "world size": world,
+                     "ranks per node (dist.ranks_per_node or LOCAL_WORLD_SIZE)": rpn, "--resume": resume},
+                    "config and world layout", dist_cfg.timeout_s)
+
+
+def check_placements_and_data(dist_cfg: DistConfig, tables: list[TableConfig],
+                              placements: list[tuple[str, list[int]]], data: dict[str, PreparedDataset]) -> None:
+    """Collective, before sharding: the same config may still name other files on another node, so every rank
+    compares the resolved placement of every table (the plan's content) and a fingerprint of each data set
+    (``data``: config key -> the set it names)."""
+    facts: dict[str, Any] = {
+        f"the resolved placements (dist.plan={dist_cfg.plan!r}) of table {table.name}": f"{kind} on ranks {ranks}"
+        for table, (kind, ranks) in zip(tables, placements, strict=True)}
+    for key, ds in data.items():
+        facts[f"the data ({key}={str(ds.path)!r})"] = data_fingerprint(ds.path, len(ds))
+    check_agreement(facts, "sharding plan and data", dist_cfg.timeout_s)
+
+
+def on_rank0(generate: Callable[[], None], what: str) -> None:
+    """Run ``generate`` on rank 0 only (every rank writing the same files would race); the other ranks wait for
+    it and stop with its error when it fails. The wait is on a group of its own without ``dist.timeout_s``: a
+    large set takes longer to generate than a collective may."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            generate()
+        except Exception as e:  # re-raised below, after the other ranks have been told
+            error = e
+    status = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(status, src=0, group=group)
+    dist.destroy_process_group(group)
+    if error is not None:
+        raise error
+    if status[0] is not None:
+        raise ValueError(f"rank 0 could not {what}: {status[0]}")
+

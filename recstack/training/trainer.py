@@ -15,7 +15,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,7 +32,7 @@ from recstack.distributed import agreement, parallelize
 from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config
-from recstack.errors import ConfigError, PeerFailure
+from recstack.errors import PeerFailure
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.checkpointer import Checkpointer
@@ -71,10 +70,7 @@ class Trainer:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             resume = True  # torchrun --max-restarts started us again after a failure: continue, do not redo
         if self.world > 1:  # before any collective of the run: the same job on every rank, or an error
-            rpn = cfg.dist.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-            agreement.check_agreement({**agreement.flatten(cfg.to_dict()), "world size": self.world,
-                                       "ranks per node (dist.ranks_per_node or LOCAL_WORLD_SIZE)": rpn,
-                                       "--resume": resume}, "config and world layout", cfg.dist.timeout_s)
+            agreement.check_job(cfg.to_dict(), cfg.dist, self.world, resume)
         if self.output_dir and not resume:
             claim_output_dir(self.output_dir, overwrite, self.is_main)
         if self.output_dir and self.is_main:
@@ -94,9 +90,6 @@ class Trainer:
         self.optimizer = build_dense_optimizer(cfg.optim, self.model.dense_parameters())
         o = cfg.optim
         self.monitor = Monitor(t.early_stopping, o)
-        if o.plateau_patience and not t.eval_every:
-            raise ConfigError("optim.plateau_patience: needs train.eval_every > 0 (the metric is checked at each "
-                              "evaluation)")
         schedule = LRSchedule(o.lr_warmup_steps, o.lr_decay_start_step, o.lr_decay_steps)
         active = schedule.active or o.plateau_patience > 0
         self.lr = LRScaler(schedule, self.optimizer, self.model) if active else None
@@ -124,7 +117,7 @@ class Trainer:
         """The training and evaluation sets and their loaders (this rank's slice of every global batch)."""
         cfg, t = self.cfg, self.cfg.train
         self.train_ds, self.eval_ds, eval_range = prepare_data(
-            cfg.data, self.output_dir, t.progress, _generate_on_rank0 if self.world > 1 else None)
+            cfg.data, self.output_dir, t.progress, agreement.on_rank0 if self.world > 1 else None)
         self.has_eval = eval_range[1] > eval_range[0]
         if not self.has_eval:
             why = (f"data.eval {self.eval_ds.path} has no rows" if self.eval_ds is not self.train_ds else
@@ -161,15 +154,10 @@ class Trainer:
         d = self.cfg.dist
         rpn = d.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         placements = parallelize.placements_from_config(d, [t.name for t in self.model.embeddings.tables], self.world)
-        # the same config may still name other files on another node: the plan's content, the data
-        facts = {f"the resolved placements (dist.plan={d.plan!r}) of table {table.name}": f"{kind} on ranks {ranks}"
-                 for table, (kind, ranks) in zip(self.model.embeddings.tables, placements, strict=True)}
         data = {"data.train": self.train_ds}
         if self.eval_ds is not self.train_ds:
             data["data.eval"] = self.eval_ds
-        for key, ds in data.items():
-            facts[f"the data ({key}={str(ds.path)!r})"] = agreement.data_fingerprint(ds.path, len(ds))
-        agreement.check_agreement(facts, "sharding plan and data", d.timeout_s)
+        agreement.check_placements_and_data(d, self.model.embeddings.tables, placements, data)
         fwd, bwd = self.compression.codecs()  # names, or configured error-bounded codecs for "eb"
         parallelize.shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn,
                                 d.aggregate_gradients, d.timeout_s)
@@ -350,28 +338,4 @@ class Trainer:
         if self.is_main:
             print(f"reached train.target_auc={t.target_auc:g} at step {p.step} ({p.samples} samples)")
         return True
-
-
-def _generate_on_rank0(generate: Callable[[], None], what: str) -> None:
-    """Run ``generate`` on rank 0 only (every rank writing the same files would race); the other ranks wait for
-    it and stop with its error when it fails. The wait is on a group of its own without ``dist.timeout_s``: a
-    large set takes longer to generate than a collective may."""
-    import datetime
-
-    import torch.distributed as dist
-
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
-    error: Exception | None = None
-    if dist.get_rank() == 0:
-        try:
-            generate()
-        except Exception as e:  # re-raised below, after the other ranks have been told
-            error = e
-    status = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(status, src=0, group=group)
-    dist.destroy_process_group(group)
-    if error is not None:
-        raise error
-    if status[0] is not None:
-        raise ValueError(f"rank 0 could not {what}: {status[0]}")
 
