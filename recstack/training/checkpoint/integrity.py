@@ -81,7 +81,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_md.Metadata:
         metadata = read_dcp_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
-        if getattr(metadata, "storage_meta", None) is None:
+        if metadata.storage_meta is None:  # as torch's own reader does
             metadata.storage_meta = dcp_md.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -100,9 +100,10 @@ def load_pt(file: Path, map_location: str | torch.device) -> Any:
     try:
         return torch.load(file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:  # weights_only: a class other than tensors and plain values
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()] or [""]
+        why = next((x for x in lines if "GLOBAL" in x), lines[0])  # torch's line naming the class
         raise CheckpointError(f"{file}: refused: it holds objects other than tensors and plain values "
-                              f"({first})") from e
+                              f"({why})") from e
     except Exception as e:  # a bad record, a storage of the wrong size: not usable
         raise CheckpointError(f"{file}: cannot be loaded ({type(e).__name__}: {e})") from e
 

@@ -11,12 +11,11 @@ A checkpoint is a directory ``checkpoints/step_<step>/``:
 It is written into ``step_<step>.tmp`` and renamed by rank 0 after every rank has finished, so a crash leaves
 no directory that looks complete; ``trainer.pt``, written last, records the size and SHA-256 of every other file
 (``integrity.py``), checked on load, and ``.metadata`` is read with a restricted unpickler. Resuming falls back
-from a damaged checkpoint to the newest intact one, every rank alike (:func:`load_newest_sharded`).
-On load each rank computes the rectangles of its new shards, reads the
-saved rectangles that overlap them (whatever layout wrote them) and copies the overlaps: resharding. First
-the saved rectangles of every table must tile the model's table exactly (same rows and dim, nothing missing
-or overlapping), and the ranks agree on it: if the check or reading fails on any rank, every rank raises
-:class:`CheckpointError` before any shard is read.
+from a damaged checkpoint to the newest intact one, every rank alike (:func:`load_newest_sharded`). On load
+each rank computes the rectangles of its new shards, reads the saved rectangles that overlap them (whatever
+layout wrote them) and copies the overlaps: resharding. First the saved rectangles of every table must tile
+the model's table exactly (same rows and dim, nothing missing or overlapping), and the ranks agree on it: if
+the check or reading fails on any rank, every rank raises :class:`CheckpointError` before any shard is read.
 """
 
 from __future__ import annotations
