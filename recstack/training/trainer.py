@@ -75,7 +75,6 @@ class Trainer:
             claim_output_dir(self.output_dir, overwrite, self.is_main)
         if self.output_dir and self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         self._data()
         # Sharded runs build the tables on "meta" (shapes only); _parallelize builds this rank's shards.
         self.model: DLRM = build_model(
@@ -109,6 +108,8 @@ class Trainer:
         )
         if resume:
             self._resume()
+        if self.output_dir and self.is_main:  # after the resume check: a refused resume leaves the run as it was
+            (self.output_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         # A resumed run drops what the stopped run logged after its checkpoint (it is about to be redone).
         self.logger = MetricsLogger(self.output_dir if self.is_main else None,
                                     resume_step=self.step if resume else None)

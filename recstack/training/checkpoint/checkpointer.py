@@ -8,8 +8,9 @@ The kind follows from the world size and the embedding collection:
     replicated state and ``rank_<rank>.pt`` with each rank's own (``sharded.py``).
 The components (``state.py``, ``step.Progress``) give their state the same way; the Checkpointer puts it into
 the checkpoint of the right kind, finds the newest valid one and loads it back (``load_latest``), and reads any
-kind in one process for evaluation (``read``, ``gather_tables``). A run never silently starts over beside the
-other kind.
+kind in one process for evaluation (``read``, ``gather_tables``). Damaged or refused checkpoints are skipped for
+the newest intact one (``integrity.py`` says what is checked). A run never silently starts over beside the
+other kind, nor when checkpoints exist but none is readable.
 
 With ``train.early_stopping`` the best checkpoint is kept apart from the newest ``keep``: ``mark_best`` links
 its files (hard links: no copy on disk) into ``best/`` and names it in ``best.json``, so pruning leaves it, and
@@ -22,6 +23,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,14 +31,14 @@ import torch
 
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.collection import EmbeddingCollection
-from recstack.errors import ConfigError
+from recstack.errors import CheckpointError, ConfigError
 from recstack.training.checkpoint.sharded import (
     _STEP_DIR,
     SHARDED_STATE_FILE,
     list_sharded,
-    load_sharded,
+    load_newest_sharded,
+    open_sharded,
     read_full_tables,
-    read_trainer_state,
     save_sharded,
 )
 from recstack.training.checkpoint.single import (
@@ -98,10 +100,8 @@ class Checkpointer:
                     f"(step {_step_of(single[-1])}); a torchrun run resumes from sharded checkpoints (step_<step>/) "
                     "only. Resume it with one process (recstack train --resume), or train into another --output-dir"
                 )
-            if not sharded:
-                return None
             coll = cast(ShardedEmbeddingCollection, self.embeddings)
-            return {**load_sharded(sharded[-1], coll, self.device), "path": str(sharded[-1])}
+            return load_newest_sharded(sharded, coll, self.device)
         state = latest_checkpoint(ckpt_dir, self.device)
         if sharded and (state is None or _step_of(sharded[-1]) > int(state["step"])):
             raise ConfigError(
@@ -109,6 +109,10 @@ class Checkpointer:
                 f"under torchrun (step {_step_of(sharded[-1])}); a single process resumes from its own checkpoints "
                 "(ckpt_<step>.pt) only. Resume it under torchrun, or train into another --output-dir"
             )
+        if state is None and single:
+            raise CheckpointError(
+                f"resume: none of the {len(single)} checkpoints in {ckpt_dir} is readable (see the warnings "
+                "above); remove them to start over, or train into another --output-dir")
         return state
 
     def mark_best(self, checkpoint: Path, step: int, metrics: dict[str, float], is_main: bool) -> None:
@@ -163,11 +167,18 @@ class Checkpointer:
             state = latest_checkpoint(ckpt_dir, device)  # the newest valid one of one process, else of torchrun
             if state is not None:
                 return state
-            steps = list_sharded(ckpt_dir)
-            if not steps:
-                raise FileNotFoundError(f"{path}: no loadable checkpoint")
-            sharded = steps[-1]
-        return {**read_trainer_state(sharded, device), "path": str(sharded)}
+            refused = []
+            for step_dir in reversed(list_sharded(ckpt_dir)):
+                try:
+                    return {**open_sharded(step_dir, device), "path": str(step_dir)}
+                except CheckpointError as e:
+                    warnings.warn(f"skipping {e}", stacklevel=2)
+                    refused.append(str(e))
+            if refused or list_checkpoints(ckpt_dir):
+                raise CheckpointError(f"{path}: no readable checkpoint"
+                                      + (f" (newest: {refused[0]})" if refused else " (see the warnings above)"))
+            raise FileNotFoundError(f"{path}: no loadable checkpoint")
+        return {**open_sharded(sharded, device), "path": str(sharded)}
 
     @staticmethod
     def gather_tables(state: dict[str, Any], embeddings: EmbeddingCollection, device: str | torch.device) -> None:

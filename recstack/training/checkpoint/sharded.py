@@ -9,11 +9,13 @@ A checkpoint is a directory ``checkpoints/step_<step>/``:
   - ``rank_<rank>.pt`` (every rank): state that differs between ranks, such as the error-feedback residuals
     of the chunks the rank sent. It only fits the world size that wrote it; the trainer drops it otherwise.
 It is written into ``step_<step>.tmp`` and renamed by rank 0 after every rank has finished, so a crash leaves
-no directory that looks complete. On load each rank computes the rectangles of its new shards, reads the
-saved rectangles that overlap them (whatever layout wrote them) and copies the overlaps: resharding. First
-the saved rectangles of every table must tile the model's table exactly (same rows and dim, nothing missing
-or overlapping), and the ranks agree on it: if the check or reading fails on any rank, every rank raises
-:class:`CheckpointError` before any shard is read.
+no directory that looks complete; ``trainer.pt``, written last, records the size and SHA-256 of every other file
+(``integrity.py``), checked on load, and ``.metadata`` is read with a restricted unpickler. Resuming falls back
+from a damaged checkpoint to the newest intact one, every rank alike (:func:`load_newest_sharded`). On load
+each rank computes the rectangles of its new shards, reads the saved rectangles that overlap them (whatever
+layout wrote them) and copies the overlaps: resharding. First the saved rectangles of every table must tile
+the model's table exactly (same rows and dim, nothing missing or overlapping), and the ranks agree on it: if
+the check or reading fails on any rank, every rank raises :class:`CheckpointError` before any shard is read.
 """
 
 from __future__ import annotations
@@ -28,13 +30,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.distributed.sharding import Shard
 from recstack.embedding import TableConfig
 from recstack.errors import CheckpointError
+from recstack.training.checkpoint.integrity import (
+    DIGESTS,
+    SafeFileSystemReader,
+    file_digests,
+    load_pt,
+    note_unverified,
+    read_dcp_metadata,
+    verify_files,
+)
 
 SHARDED_STATE_FILE = "trainer.pt"  # the replicated state beside the DCP files
+METADATA_FILE = ".metadata"  # DCP's index of the shard files
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 _KEY = re.compile(r"^emb/(?P<table>.+)/(?P<part>weight|accumulator)/r(?P<r0>\d+)-(?P<r1>\d+)/c(?P<c0>\d+)-(?P<c1>\d+)$")
 
@@ -54,11 +67,13 @@ def embedding_state(coll: ShardedEmbeddingCollection) -> dict[str, torch.Tensor]
 
 def _saved_pieces(path: Path) -> tuple[Any, dict[tuple[str, str], list[tuple[str, int, int, int, int]]]]:
     """-> (DCP metadata per key, {(table, part): [(key, row0, row1, col0, col1), ...]})."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_dcp_metadata(path / METADATA_FILE).state_dict_metadata
     pieces: dict[tuple[str, str], list[tuple[str, int, int, int, int]]] = {}
     for key in saved:
         m = _KEY.match(key)
         if m:
+            if not isinstance(saved[key], TensorStorageMetadata):  # only tensors are ever read (no pickled bytes)
+                raise CheckpointError(f"{path / METADATA_FILE}: {key} is not a tensor")
             pieces.setdefault((m["table"], m["part"]), []).append(
                 (key, int(m["r0"]), int(m["r1"]), int(m["c0"]), int(m["c1"]))
             )
@@ -143,7 +158,7 @@ def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: Ba
         except Exception as e:  # decided together below: a rank that raised alone would leave the rest waiting
             error = e
     agree(error)
-    dcp.load(request, checkpoint_id=str(path))  # collective: every rank reads what it asked for
+    dcp.load(request, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)))  # collective
     _copy_overlaps(plan, request)
 
 
@@ -175,6 +190,14 @@ def rank_file(path: Path, rank: int) -> Path:
     return path / f"rank_{rank:05d}.pt"
 
 
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write(path: Path, state: dict[str, Any]) -> None:
     with open(path, "wb") as f:
         torch.save(state, f)
@@ -195,10 +218,12 @@ def save_sharded(directory: Path, step: int, coll: ShardedEmbeddingCollection, t
     dcp.save(embedding_state(coll), checkpoint_id=str(tmp))
     if rank_state is not None:  # inside the .tmp directory, so it appears with the rest or not at all
         _write(rank_file(tmp, dist.get_rank()), rank_state)
+    dist.barrier()  # every rank's files are complete: rank 0 records their checksums in trainer.pt, last
     if dist.get_rank() == 0:
-        _write(tmp / SHARDED_STATE_FILE, {**trainer_state, "step": step, "complete": True})
-    dist.barrier()
-    if dist.get_rank() == 0:
+        others = [p.name for p in tmp.iterdir() if p.name != SHARDED_STATE_FILE]
+        _write(tmp / SHARDED_STATE_FILE, {**trainer_state, "step": step, "complete": True,
+                                          DIGESTS: file_digests(tmp, others)})
+        _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -223,24 +248,76 @@ def load_sharded(path: Path, coll: ShardedEmbeddingCollection, map_location: tor
     error: BaseException | None = None
     state: dict[str, Any] = {}
     try:
-        state = read_trainer_state(path, map_location)
-        mine = rank_file(path, dist.get_rank())
-        if mine.is_file():
-            state.update(torch.load(mine, map_location=map_location, weights_only=True))
+        state = open_sharded(path, map_location, dist.get_rank(), dist.get_world_size())
     except Exception as e:  # every rank learns of it in load_embedding_state, before anyone reads shards
         error = e
     load_embedding_state(coll, path, error)
     return state
 
 
+def load_newest_sharded(paths: list[Path], coll: ShardedEmbeddingCollection, map_location: torch.device
+                        ) -> dict[str, Any] | None:
+    """Collective. Resume from the newest of ``paths`` (oldest first) that is intact on every rank: one that is
+    damaged or refused (:func:`open_sharded`) on any rank is skipped by all. Its shards are loaded in place ->
+    its state with ``path``; None without ``paths``. A checkpoint that is intact but does not fit the model is an
+    error, as is having checkpoints of which none is readable (a resume never silently starts over)."""
+    refused: list[str] = []
+    for path in reversed(paths):
+        error: BaseException | None = None
+        state: dict[str, Any] = {}
+        try:
+            state = open_sharded(path, map_location, dist.get_rank(), dist.get_world_size())
+        except Exception as e:  # decided together: every rank skips it, or none does
+            error = e
+        try:
+            agree(error)
+        except Exception as e:
+            if dist.get_rank() == 0:
+                warnings.warn(f"skipping {e}", stacklevel=2)
+            refused.append(str(e))
+            continue
+        load_embedding_state(coll, path)
+        return {**state, "path": str(path)}
+    if refused:
+        raise CheckpointError(f"resume: none of the {len(paths)} checkpoints in {paths[0].parent} is readable "
+                              f"(newest: {refused[0]}); remove them to start over, or train into another "
+                              "--output-dir")
+    return None
+
+
+def open_sharded(path: Path, map_location: str | torch.device, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """Check a sharded checkpoint before any shard is read -> its trainer state (with ``rank_<rank>.pt``'s when
+    there is one): ``trainer.pt`` loads, this rank's share of the other files (every ``world``-th, all in one
+    process) matches the checksums it records, ``.metadata`` passes the restricted unpickler. CheckpointError
+    naming the file otherwise. No process group needed."""
+    state = read_trainer_state(path, map_location)
+    digests = state.pop(DIGESTS, None)
+    if isinstance(digests, dict):
+        for name in sorted(digests)[rank::world]:
+            try:
+                verify_files(path, digests, [name])
+            except CheckpointError as e:
+                if name.endswith(".distcp") or name == METADATA_FILE:
+                    raise CheckpointError(f"{path}: its tables could not be read ({e})") from e
+                raise
+    else:
+        note_unverified(path)
+    read_dcp_metadata(path / METADATA_FILE)
+    mine = rank_file(path, rank)
+    if mine.is_file():
+        own = load_pt(mine, map_location)
+        if not isinstance(own, dict):
+            raise CheckpointError(f"{mine}: not a rank state")
+        state.update(own)
+    return state
+
+
 def read_trainer_state(path: Path, map_location: str | torch.device) -> dict[str, Any]:
-    """A sharded checkpoint's replicated state (dense model and optimizer, data position, config, table sizes),
-    no process group needed; :class:`CheckpointError` when the file is unreadable or incomplete."""
+    """A sharded checkpoint's replicated state (dense model and optimizer, data position, config, table sizes,
+    the checksums of the other files), no process group needed; :class:`CheckpointError` naming the file when
+    it is unreadable, damaged, refused or incomplete."""
     file = path / SHARDED_STATE_FILE
-    try:
-        state = torch.load(file, map_location=map_location, weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {e})") from e
+    state = load_pt(file, map_location)
     if not isinstance(state, dict) or state.get("complete") is not True:
         raise CheckpointError(f"{file}: incomplete checkpoint")
     return state
@@ -274,7 +351,7 @@ def read_full_tables(path: Path, tables: list[TableConfig], needs_accumulator: b
     try:
         with warnings.catch_warnings():  # that it reads in one process is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(request, checkpoint_id=str(path), no_dist=True)
+            dcp.load(request, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
     except (Exception, dcp.CheckpointException) as e:  # DCP's own error is a BaseException
         raise CheckpointError(f"{path}: its tables could not be read ({type(e).__name__}: {e})") from e
     _copy_overlaps(plan, request)

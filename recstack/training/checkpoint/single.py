@@ -2,12 +2,13 @@
 
 A checkpoint is written to a temporary file in the same directory, fsynced, then renamed over its final name,
 so a crash mid-write leaves either the previous checkpoints or a stray ``.tmp`` file, never a file that loads
-wrong. Files are ``ckpt_<step>.pt``; loading uses ``torch.load(weights_only=True)``, so a checkpoint holds
-only tensors and plain Python values.
+wrong. Files are ``ckpt_<step>.pt``; loading checks their zip CRC32s and uses ``torch.load(weights_only=True)``
+(``integrity.load_pt``), so a checkpoint holds only tensors and plain Python values and a damaged one is refused.
 
 A checkpoint with ``files`` (tables too large to pass through one ``torch.save``, written by their own writers
 in chunks) is a directory ``ckpt_<step>/`` holding ``state.pt`` beside those files. It is built as
 ``ckpt_<step>.tmp/``, every file fsynced, then renamed into place the same way, so it is equally atomic.
+``state.pt``, written last, records the size and SHA-256 of every file beside it, checked on load.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from recstack.errors import CheckpointError
+from recstack.training.checkpoint.integrity import DIGESTS, file_digests, load_pt, note_unverified, verify_files
 
 _NAME = re.compile(r"^ckpt_(\d{9})(\.pt)?$")  # a file ckpt_<step>.pt or a directory ckpt_<step>
 STATE_FILE = "state.pt"  # the torch.save part of a directory checkpoint
@@ -82,7 +84,7 @@ def save_checkpoint(
                 os.fsync(f.fileno())
         for sub in {(tmp / rel).parent for rel in files}:
             _fsync_dir(sub)
-        _write_state(tmp / STATE_FILE, step, state)
+        _write_state(tmp / STATE_FILE, step, {**state, DIGESTS: file_digests(tmp, files)})
         _fsync_dir(tmp)
         if final.exists():  # saved again at the same step: move the old one aside first (a rename cannot
             old = final.with_name(final.name + ".old")  # replace a non-empty directory)
@@ -123,13 +125,15 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         directory, path = path, path / STATE_FILE
         if not path.is_file():
             raise CheckpointError(f"{path}: missing (incomplete checkpoint directory)")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # truncated zip, bad pickle, disallowed type: all mean "not usable"
-        raise CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {e})") from e
+    state = load_pt(path, map_location)  # CheckpointError naming the file: damaged, or not only tensors
     if not isinstance(state, dict) or state.get("complete") is not True:
         raise CheckpointError(f"{path}: incomplete checkpoint (no completion marker)")
+    digests = state.pop(DIGESTS, None)
     if directory is not None:
+        if isinstance(digests, dict):
+            verify_files(directory, digests)  # the table files beside state.pt
+        else:
+            note_unverified(directory)
         state["checkpoint_dir"] = str(directory)
     return state
 

@@ -1,0 +1,179 @@
+"""Damaged checkpoints: a flipped byte in any file of a checkpoint (single file, directory with table files,
+sharded step directory) is refused naming the file; sharded eval and resume fall back to the newest intact
+checkpoint as single-process ones do; ``--resume`` with checkpoints of which none is readable is an error, and
+a refused resume leaves the run directory as it was. Checkpoints written before the checksums still load."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SMALL, run_cli, torchrun, train_args, train_steps
+
+DIGESTS = "file_sha256"  # the key of trainer.pt / state.pt that records the other files' checksums
+STEPS = ["train.max_steps=4", "train.checkpoint_every=2", "train.batch_size=64", "train.eval_every=0"]
+SSD = ['memory.device="16452"', 'memory.host="0"']  # the tiny set's C4 in an ssd-cached tier: table files
+
+
+def flip_byte(path: Path) -> None:
+    """One bit changed in the middle of the file (of a torch file's largest record: a tensor's bytes)."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            big = max(z.infolist(), key=lambda i: i.file_size)
+        names, extra = struct.unpack("<HH", data[big.header_offset + 26 : big.header_offset + 30])
+        at = big.header_offset + 30 + names + extra + big.file_size // 2
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``directory``: its bytes and modification time."""
+    return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("sharded") / "run"
+    res = run_cli(train_args(run, tiny_dataset, [*SMALL, *STEPS]), launcher=torchrun(2), timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def single_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("single") / "run"
+    train_steps(tiny_dataset, run, STEPS)
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiered_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("tiered")
+    train_steps(tiny_dataset, base / "run", [*STEPS, *SSD, f'memory.ssd_dir="{base / "ssd"}"'])
+    return base / "run"
+
+
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def eval_cli(checkpoint: Path, capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    from recstack.cli.main import main
+
+    capsys.readouterr()
+    code = main(["eval", "--checkpoint", str(checkpoint)])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["ckpt_000000004.pt", "tiered:tables/003.f32", "tiered:state.pt",
+                                  "sharded:__1_0.distcp", "sharded:.metadata", "sharded:trainer.pt",
+                                  "sharded:rank_00000.pt"])
+def test_a_flipped_byte_is_refused_naming_the_file(single_run: Path, tiered_run: Path, sharded_run: Path,
+                                                   tmp_path: Path, capsys: pytest.CaptureFixture, name: str) -> None:
+    kind, _, rel = name.rpartition(":")
+    run = copy_run({"": single_run, "tiered": tiered_run, "sharded": sharded_run}[kind], tmp_path)
+    ckpt = run / "checkpoints" / {"": rel, "tiered": "ckpt_000000004", "sharded": "step_000000004"}[kind]
+    file = ckpt if kind == "" else ckpt / rel
+    flip_byte(file)
+    code, err = eval_cli(ckpt, capsys)
+    assert code == 2, err
+    assert f"{file}: checksum mismatch" in err, err
+
+
+def test_a_truncated_table_file_is_refused_naming_the_file(tiered_run: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    run = copy_run(tiered_run, tmp_path)
+    file = run / "checkpoints" / "ckpt_000000004" / "tables" / "003.f32"
+    truncate(file)
+    code, err = eval_cli(file.parent.parent, capsys)
+    assert code == 2 and f"{file}: " in err and "bytes" in err, err
+
+
+@pytest.mark.parametrize("damage", [truncate, flip_byte])
+def test_sharded_eval_falls_back_to_the_newest_intact_checkpoint(sharded_run: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture, damage) -> None:
+    run = copy_run(sharded_run, tmp_path)
+    newest = run / "checkpoints" / "step_000000004"
+    damage(newest / "__1_0.distcp")
+    with pytest.warns(UserWarning, match=f"skipping {newest}: its tables could not be read"):
+        code, err = eval_cli(run, capsys)
+    assert code == 0, err
+    damage(run / "checkpoints" / "step_000000002" / "__1_0.distcp")  # every checkpoint damaged: eval stops
+    with pytest.warns(UserWarning):
+        code, err = eval_cli(run, capsys)
+    assert code == 2 and "no readable checkpoint" in err and f"{newest}: its tables could not be read" in err, err
+
+
+def test_checkpoints_without_checksums_still_load_unverified(tiered_run: Path, sharded_run: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """Written by a recstack that recorded no checksums: they load, and say once that they are unverified."""
+    import recstack.training.checkpoint.integrity as integrity
+
+    for name, run, state_file in (("tiered", tiered_run, "ckpt_000000004/state.pt"),
+                                  ("sharded", sharded_run, "step_000000004/trainer.pt")):
+        run = copy_run(run, tmp_path / name)
+        path = run / "checkpoints" / state_file
+        state = torch.load(path, weights_only=True)
+        assert isinstance(state.pop(DIGESTS), dict)
+        torch.save(state, path)
+        integrity._told_unverified = False
+        code, err = eval_cli(path.parent, capsys)
+        assert code == 0, err
+        assert err.count("unverified") == 1 and f"note: {path.parent} records no checksums" in err, err
+
+
+def test_single_resume_with_no_readable_checkpoint_is_an_error_that_changes_nothing(
+        single_run: Path, tiny_dataset: Path, tmp_path: Path) -> None:
+    run = copy_run(single_run, tmp_path)
+    for ckpt in (run / "checkpoints").iterdir():
+        flip_byte(ckpt)
+    before = snapshot(run)
+    res = run_cli(train_args(run, tiny_dataset, [*SMALL, *STEPS[1:], "train.max_steps=6"], "--resume"))
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert f"resume: none of the 2 checkpoints in {run / 'checkpoints'} is readable" in res.stderr, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and snapshot(run) == before
+
+
+def test_a_refused_resume_leaves_the_run_directory_as_it_was(single_run: Path, tiny_dataset: Path,
+                                                             tmp_path: Path) -> None:
+    """A resume refused because the checkpoint does not fit the model keeps the run's own config.json."""
+    run = copy_run(single_run, tmp_path)
+    before = snapshot(run)
+    res = run_cli(train_args(run, tiny_dataset, [*SMALL, *STEPS[1:], "model.embedding_dim=16",
+                                                 "model.bottom_mlp=[32, 16]"], "--resume"))
+    assert res.returncode == 2 and "does not match the model" in res.stderr, res.stderr[-3000:]
+    assert snapshot(run) == before
+
+
+def test_sharded_resume_falls_back_and_stops_when_none_is_readable(sharded_run: Path, tiny_dataset: Path,
+                                                                   tmp_path: Path) -> None:
+    """The newest checkpoint truncated: every rank resumes from the older one. Every one damaged: the resume
+    stops with an error on every rank (not a start from scratch) and leaves the run as it was."""
+    run = copy_run(sharded_run, tmp_path)
+    ckpts = run / "checkpoints"
+    truncate(ckpts / "step_000000004" / "trainer.pt")
+    args = train_args(run, tiny_dataset, [*SMALL, *STEPS[1:], "train.max_steps=6"], "--resume")
+    res = run_cli(args, launcher=torchrun(2), timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resume: continuing from {ckpts / 'step_000000002'} (step 2)" in res.stdout, res.stdout
+    assert f"skipping {ckpts / 'step_000000004' / 'trainer.pt'}: cannot be loaded" in res.stderr, res.stderr[-3000:]
+
+    for step_dir in ckpts.iterdir():
+        truncate(step_dir / "__0_0.distcp")
+    before = snapshot(run)
+    res = run_cli(args, launcher=torchrun(2), timeout=400)
+    assert res.returncode != 0, res.stderr[-3000:]
+    assert res.stderr.count(f"resume: none of the 3 checkpoints in {ckpts} is readable") == 2, res.stderr[-3000:]
+    assert "starting from scratch" not in res.stdout and snapshot(run) == before
