@@ -12,12 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from recstack.config import Config
-from recstack.config import validate as validate_model
 from recstack.data.config import synth_config as checked_synth_config
 from recstack.errors import ConfigError
 from recstack.models.config import ModelConfig
-from recstack.training.config import OptimConfig, TrainConfig
+from recstack.training.config import OptimConfig
 from recstack.typed_toml import fill, load_into
 
 if TYPE_CHECKING:
@@ -68,10 +66,6 @@ class NetSpec:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     batch_size: int = 256
-
-    def as_config(self, seed: int) -> Config:
-        """A ``recstack.config.Config`` carrying this spec, for ``recstack.models.build``."""
-        return Config(model=self.model, optim=self.optim, train=TrainConfig(seed=seed, batch_size=self.batch_size))
 
 
 @dataclass
@@ -204,7 +198,8 @@ def validate(cfg: ExfmConfig) -> None:
         if spec.batch_size < 1:
             raise ConfigError(f"{name}.batch_size: must be >= 1")
         try:
-            validate_model(spec.as_config(0))
+            spec.model.validate()  # its own sections' checks, as recstack train makes them
+            spec.optim.validate()
         except ConfigError as err:
             raise ConfigError(f"{name}.{err}") from err
 
