@@ -76,7 +76,11 @@ def dp_plan(path: Path, sizes: list[int], names: list[str], max_rows: int, world
         else:
             tables.append({"name": name, "sharding": "table_wise", "ranks": [big % world]})
             big += 1
-    path.write_text(json.dumps({"world_size": world, "tables": tables}))
+    # Every rank writes the same plan to the same path (the ranks must name the same plan: the trainer checks that
+    # they agree), each through its own temporary file and an atomic rename, so none reads a half-written one.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"world_size": world, "tables": tables}))
+    os.replace(tmp, path)
     return str(path)
 
 
@@ -165,7 +169,7 @@ class Bench:
             if case.impl == "recstack":
                 plan = ""
                 if case.sharding == "data_parallel":
-                    plan = dp_plan(tmp / f"dp_plan_{self.rank}.json", sizes, ds.table_names,
+                    plan = dp_plan(tmp / "dp_plan.json", sizes, ds.table_names,
                                    self.spec["dp_max_rows"], self.world)
                 sharding = "table_wise" if case.sharding == "data_parallel" else case.sharding
                 self.models[key] = RecstackModel(recstack_config(self.spec, case.model, sharding, plan))
