@@ -25,6 +25,7 @@ decides nothing. Prints a Markdown table to stderr and JSON to stdout (and ``--o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -157,8 +158,8 @@ def _write_split(rows: list[dict[str, str]], bounds: tuple[float, float, float],
         with open(out / f"{split}.csv", "w", newline="") as f:
             f.write(",".join(names) + "\n")
             # Categorical values always quoted: an empty one is then an empty string (recstack: missing, row 0;
-            # FuxiCTR: its fill value ""). Unquoted it is a null, on which recstack's CSV reader fails today (IndexError in
-            # recstack/data/prepare/columns.py to_bag: pc.and_ keeps the null, so the mask is not boolean).
+            # FuxiCTR: its fill value ""). Unquoted it is a null, on which recstack's CSV reader fails today
+            # (IndexError in recstack/data/prepare/columns.py to_bag: pc.and_ keeps the null in the mask).
             f.writelines(",".join('"' + r[k].replace('"', '""') + '"' if k in quoted else r[k] for k in names) + "\n"
                          for r in part)
         counts[split] = len(part)
@@ -172,7 +173,9 @@ def prepare(name: str, work: Path, smoke: bool = False) -> dict:
     out = work / name
     ml_spec = {"label": "label", "categorical": ML_FIELDS, "numeric": []}
     if name in ("ml100k", "ml100k_cut2"):
-        rows = _movielens_rows(fetch_ml100k(work / "raw" / "ml-100k"), "ml-100k")
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON only
+            raw = fetch_ml100k(work / "raw" / "ml-100k")
+        rows = _movielens_rows(raw, "ml-100k")
         if smoke:  # a tiny slice: the first 3,000 ratings in time
             rows = rows[:3000]
         bounds = (0.8, 0.9, 1.0) if name == "ml100k" else (0.6, 0.7, 0.8)
