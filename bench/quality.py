@@ -57,8 +57,8 @@ RECIPES = {
     "criteo": {"config": "configs/criteo_kaggle.toml", "set": []},
 }
 
-# FuxiCTR's settings: the BARS benchmark's best published configurations (github.com/reczoo/BARS,
-# ranking/ctr/{DLRM,DCNv2}/<model>_<dataset>_x1/: the expid the README reports, from its tuner config's
+# FuxiCTR's settings: the BARS benchmark's best published configurations (github.com/reczoo/BARS at 5b5e61f,
+# ranking/ctr/{DLRM,DCNv2}/<model>_<dataset>_x1/: the expid its README reports, from its tuner config's
 # model_config.yaml). MovielensLatest_x1 (user, item, tag: categorical only) for MovieLens; Criteo_x1 for Criteo.
 # epochs 100 is a cap: early stopping (patience 2 on validation AUC, learning rate / 10 on each plateau) ends runs.
 _COMMON = {"learning_rate": 1e-3, "batch_size": 4096, "embedding_dim": 10, "epochs": 100, "shuffle": True,

@@ -40,7 +40,16 @@ BASE = {"loss": "binary_crossentropy", "metrics": ["AUC", "logloss"], "task": "b
         "data_format": "npz"}
 
 
-class DLRM(BaseModel):
+class _Model(BaseModel):
+    """FuxiCTR's BaseModel fed from the npz loader, which stacks every column into one float64 array: numeric
+    inputs go to the layers as float32 (categorical ids are cast to long by the embedding layer)."""
+
+    def get_inputs(self, inputs, feature_source=None):
+        X = super().get_inputs(inputs, feature_source)
+        return {k: v.float() if self.feature_map.features[k]["type"] == "numeric" else v for k, v in X.items()}
+
+
+class DLRM(_Model):
     """DLRM on FuxiCTR's layers: embeddings of the categorical fields, a bottom MLP for the numeric ones (its
     output is one more field), then pairwise dot products (``dot``) or the flat embeddings (``cat``) into the top
     MLP. Input: FuxiCTR's batch dict; output ``{"y_pred": (batch, 1)}`` probabilities."""
@@ -89,7 +98,7 @@ class DLRM(BaseModel):
         return {"y_pred": self.top_mlp(out)}
 
 
-class DCNv2(BaseModel):
+class DCNv2(_Model):
     """DCNv2, parallel structure: a full-rank cross network (CrossNetV2) and a DNN side by side on the flat
     embeddings, concatenated into one logit. Numeric fields are embedded by FuxiCTR's FeatureEmbedding."""
 
