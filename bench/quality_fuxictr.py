@@ -90,7 +90,7 @@ class DLRM(_Model):
         X = self.get_inputs(inputs)
         emb = self.embedding_layer(X)  # (batch, sparse fields, dim)
         if self.dense_feats:
-            dense = self.bottom_mlp(torch.cat([X[k] for k in self.dense_feats], dim=-1))  # (batch, dim)
+            dense = self.bottom_mlp(torch.stack([X[k] for k in self.dense_feats], dim=1))  # (batch, dim)
             emb = torch.cat([emb, dense.unsqueeze(1)], dim=1)
         out = self.interact(emb)
         if self.interaction_op == "dot" and self.dense_feats:
