@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-dist clean
+.PHONY: demo test lint bench bench-dist bench-quality clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard recstack/compression/eb/_eb*.[ch])
 	$(PYTHON) -m venv $(VENV)
@@ -43,5 +43,25 @@ $(BENCH_STAMP): pyproject.toml setup.py $(wildcard recstack/compression/eb/_eb*.
 bench-dist: $(BENCH_STAMP)
 	$(BENCH_PY) bench/dist_throughput.py --out bench/results/dist_throughput.json $(BENCH_ARGS)
 
+# Model quality against FuxiCTR's DLRM and DCNv2 on real data (bench/quality.py). FuxiCTR lives only in this
+# separate environment (the CPU torch, FuxiCTR from the registry; polars < 2: FuxiCTR 2.3.10 calls scan_csv with
+# an argument polars 2 removed); recstack runs from the main one and never depends on it. QUALITY_ARGS=--quick
+# for a one-seed MovieLens-100k run.
+QUALITY_VENV    ?= .venv-quality
+QUALITY_PY      := $(QUALITY_VENV)/bin/python
+QUALITY_STAMP   := $(QUALITY_VENV)/.installed
+QUALITY_FUXICTR ?= 2.3.10
+QUALITY_ARGS    ?=
+
+$(QUALITY_STAMP):
+	$(PYTHON) -m venv $(QUALITY_VENV)
+	$(QUALITY_PY) -m pip install -q --upgrade pip
+	$(QUALITY_PY) -m pip install -q torch==$(BENCH_TORCH)
+	$(QUALITY_PY) -m pip install -q fuxictr==$(QUALITY_FUXICTR) 'polars<2'
+	touch $(QUALITY_STAMP)
+
+bench-quality: $(STAMP) $(QUALITY_STAMP)
+	$(PY) bench/quality.py --fuxictr-python $(QUALITY_PY) --out bench/results/quality.json $(QUALITY_ARGS)
+
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(QUALITY_VENV) runs .pytest_cache .mypy_cache

