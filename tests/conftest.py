@@ -193,3 +193,24 @@ def train_steps(data: Path, out: Path | None, extra: Iterable[str] = (), base: I
     from recstack.training.trainer import Trainer  # here: collecting the tests of lower layers needs no trainer
 
     return Trainer(small_config(data, extra, base), out).train()
+
+
+# A short run that leaves two checkpoints (steps 2 and 4): what the checkpoint fault and security tests damage.
+CHECKPOINT_STEPS = ["train.max_steps=4", "train.checkpoint_every=2", "train.batch_size=64", "train.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank torchrun run of ``CHECKPOINT_STEPS`` (one per test module)."""
+    run = tmp_path_factory.mktemp("sharded") / "run"
+    res = run_cli(train_args(run, tiny_dataset, [*SMALL, *CHECKPOINT_STEPS]), launcher=torchrun(2), timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def single_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A single-process run of ``CHECKPOINT_STEPS`` (one per test module)."""
+    run = tmp_path_factory.mktemp("single") / "run"
+    train_steps(tiny_dataset, run, CHECKPOINT_STEPS)
+    return run

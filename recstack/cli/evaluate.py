@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from recstack.cli.args import positive_int
+
 if TYPE_CHECKING:
     import torch
 
@@ -27,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         e.add_argument("--data", required=name == "predict",
                        help="prepared data directory" + ("" if name == "predict" else " (default: the rows the "
                              "run evaluated on: data.eval, else the held-out tail of its training set)"))
-        e.add_argument("--batch-size", type=_positive_int, default=16384)
+        e.add_argument("--batch-size", type=positive_int, default=16384)
         e.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N or auto "
                                                        "(a GPU when there is one)")
         if name == "predict":
@@ -35,16 +37,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             e.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
         e.set_defaults(func=func)
 
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _device(name: str) -> torch.device:

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from recstack.cli.args import positive_int
 from recstack.errors import ConfigError
 
 
@@ -49,33 +50,24 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="an artifact of recstack export, or a versions directory (its newest version is served)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--workers", type=_at_least_1, default=1,
+    s.add_argument("--workers", type=positive_int, default=1,
                    help="server processes sharing the port and the memory-mapped tables (default 1)")
-    s.add_argument("--threads", type=_at_least_1, default=1,
+    s.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads per worker (default 1: small batches gain nothing from more, and the "
                         "event loop needs a core; scale with --workers)")
     s.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:N")
-    s.add_argument("--max-batch", type=_at_least_1, default=2048, help="rows per model call at most (default 2048)")
+    s.add_argument("--max-batch", type=positive_int, default=2048, help="rows per model call at most (default 2048)")
     s.add_argument("--max-wait-us", type=int, default=500,
                    help="how long a batch waits for more requests, microseconds (default 500)")
-    s.add_argument("--max-rows", type=_at_least_1, help="rows (or candidates) per request at most "
+    s.add_argument("--max-rows", type=positive_int, help="rows (or candidates) per request at most "
                                                         "(default --max-batch)")
-    s.add_argument("--max-body-bytes", type=_at_least_1, default=4 << 20,
+    s.add_argument("--max-body-bytes", type=positive_int, default=4 << 20,
                    help="request body size limit; larger ones get 413 (default 4 MiB)")
     s.add_argument("--watch", metavar="DIR", help="versions directory to poll for newer exported versions "
                                                   "(hot swap)")
     s.add_argument("--watch-interval", type=float, default=1.0, metavar="S", help="poll every S seconds (default 1)")
     s.set_defaults(func=run_serve)
 
-
-def _at_least_1(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def run_serve(args: argparse.Namespace) -> None:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, run_cli, torchrun, train_args, train_steps
+from conftest import CHECKPOINT_STEPS, SMALL, run_cli, torchrun, train_args, train_steps
 
 DIGESTS = "file_sha256"  # the key of trainer.pt / state.pt that records the other files' checksums
-STEPS = ["train.max_steps=4", "train.checkpoint_every=2", "train.batch_size=64", "train.eval_every=0"]
+STEPS = CHECKPOINT_STEPS
 SSD = ['memory.device="16452"', 'memory.host="0"']  # the tiny set's C4 in an ssd-cached tier: table files
 
 
@@ -40,21 +40,6 @@ def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
     """Every file under ``directory``: its bytes and modification time."""
     return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
             for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture(scope="module")
-def sharded_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("sharded") / "run"
-    res = run_cli(train_args(run, tiny_dataset, [*SMALL, *STEPS]), launcher=torchrun(2), timeout=400)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return run
-
-
-@pytest.fixture(scope="module")
-def single_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("single") / "run"
-    train_steps(tiny_dataset, run, STEPS)
-    return run
 
 
 @pytest.fixture(scope="module")

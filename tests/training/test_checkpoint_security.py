@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, run_cli, torchrun, train_args, train_steps
+from conftest import CHECKPOINT_STEPS, SMALL, run_cli, torchrun, train_args
 
 from recstack.errors import CheckpointError
 
 DIGESTS = "file_sha256"  # the key of trainer.pt / state.pt that records the other files' checksums
 
-STEPS = ["train.max_steps=4", "train.checkpoint_every=2", "train.batch_size=64", "train.eval_every=0"]
+STEPS = CHECKPOINT_STEPS
 
 
 class Payload:
@@ -54,21 +54,6 @@ def forge_digests(step_dir: Path, keep: bool = True) -> None:
         state[DIGESTS] = {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
                           for p in step_dir.iterdir() if p.name != "trainer.pt"}
     torch.save(state, trainer)
-
-
-@pytest.fixture(scope="module")
-def sharded_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("sharded") / "run"
-    res = run_cli(train_args(run, tiny_dataset, [*SMALL, *STEPS]), launcher=torchrun(2), timeout=400)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return run
-
-
-@pytest.fixture(scope="module")
-def single_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("single") / "run"
-    train_steps(tiny_dataset, run, STEPS)
-    return run
 
 
 def copy_run(run: Path, tmp_path: Path) -> Path:
