@@ -403,3 +403,16 @@ def test_overwrite_with_a_split_removes_an_earlier_unsplit_output(tmp_path: Path
     # and back: an unsplit output replaces the split one
     prepare_dataset(schema_from_dict(plain), [path], tmp_path / "out", progress=False, overwrite=True)
     assert PreparedDataset(tmp_path / "out").num_rows == 50 and not (tmp_path / "out" / "train").exists()
+
+
+def test_null_and_empty_values_make_empty_bags() -> None:
+    """A null value (an empty, unquoted CSV field) is a missing value like an empty string: an empty bag, in
+    single- and multi-valued columns (a null used to break the validity mask with an IndexError)."""
+    import pyarrow as pa
+
+    from recstack.data.prepare.columns import to_bag
+
+    bag = to_bag(pa.array(["a", None, "", "b"]), False, "|")
+    assert bag.lengths.tolist() == [1, 0, 0, 1] and bag.values.to_pylist() == ["a", "b"]
+    bag = to_bag(pa.array(["a|", None, "|c", "b"]), True, "|")
+    assert bag.lengths.tolist() == [1, 0, 1, 1] and bag.values.to_pylist() == ["a", "c", "b"]

@@ -257,7 +257,7 @@ def to_bag(arr: pa.Array, multi_hot: bool, separator: str, weights: np.ndarray |
     w = weights
     valid = pc.is_valid(flat)
     if pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type):
-        valid = pc.and_(valid, pc.greater(pc.utf8_length(flat), 0))
+        valid = pc.and_kleene(valid, pc.greater(pc.utf8_length(flat), 0))  # null AND x: False, not null
     valid_np = valid.to_numpy(zero_copy_only=False)
     rows = parents.to_numpy(zero_copy_only=False).astype(np.int64)
     if not valid_np.all():
