@@ -66,7 +66,11 @@ def atomic_write_text(path: str | Path, text: str, sync_dir: bool = True) -> Non
     atomic_write_bytes(path, text.encode("utf-8"), sync_dir)
 
 
-def json_safe(values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` with every non-finite float (an AUC of NaN on a one-class set) replaced by None: JSON has no
-    NaN, and ``json.dumps(..., allow_nan=False)`` then checks that none is left."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float, in dicts and lists too (an AUC of NaN on a one-class set), replaced by
+    None: JSON has no NaN, and ``json.dumps(..., allow_nan=False)`` then checks that none is left."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value

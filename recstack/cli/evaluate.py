@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from recstack.cli.args import positive_int
+from recstack.io import json_safe
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,7 @@ def run_eval(args: argparse.Namespace) -> None:
     print(f"evaluating {what}", file=sys.stderr)
     result = evaluate(cfg, model, data, args.batch_size, rows)
     # An undefined metric (AUC of a one-class or empty set) is null: JSON has no NaN.
-    safe = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
+    safe = json_safe(result)
     print(json.dumps({**safe, "data": str(data.path), "rows": list(rows)}, indent=2, allow_nan=False))
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from recstack.errors import RecstackError
+from recstack.io import fsync_dir
 
 FORMAT_NAME = "recstack-serving-artifact"
 FORMAT_VERSION = 1
@@ -124,7 +125,7 @@ def list_versions(root: str | Path) -> list[int]:
 def _fsync_tree(root: Path) -> None:
     """Every file and directory under ``root`` (and root) on disk before the rename publishes them."""
     for p in [*root.rglob("*"), root]:
-        _fsync_dir(p)
+        fsync_dir(p)
 
 
 def write_artifact(out: str | Path, fill: Callable[[Path, int], dict[str, Any]]) -> tuple[Path, int]:
@@ -165,15 +166,7 @@ def write_artifact(out: str | Path, fill: Callable[[Path, int], dict[str, Any]])
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(parent)  # the rename itself
+        fsync_dir(parent)  # the rename itself
         return target, version
     raise ArtifactError(f"{out}: could not take a new version number")
 
-
-def _fsync_dir(path: Path) -> None:
-    """fsync a file or directory by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -5,7 +5,6 @@ merged across ranks), the generator's oracle AUC on synthetic data, and the run'
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.embedding.collection import EmbeddingCollection
+from recstack.io import json_safe
 from recstack.metrics import BinaryMetrics, auc
 from recstack.training.step import Progress
 
@@ -82,7 +82,7 @@ def summarize(final: dict[str, float], progress: Progress, world: int, target_au
 def write_summary(summary: dict[str, Any], output_dir: Path, comm_breakdown: bool, pipelined: bool) -> None:
     """``summary.json`` and the plots of ``metrics.jsonl`` (the communication breakdown under torchrun)."""
     # An undefined metric (AUC of a one-class evaluation set) is null: JSON has no NaN.
-    (output_dir / "summary.json").write_text(json.dumps(_finite(summary), indent=2, allow_nan=False))
+    (output_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False))
     from recstack.training.plots import plot_comm_breakdown, plot_curves, plot_reliability
 
     plot_curves(output_dir / "metrics.jsonl", output_dir / "curves.png")
@@ -91,11 +91,3 @@ def write_summary(summary: dict[str, Any], output_dir: Path, comm_breakdown: boo
     if comm_breakdown:
         plot_comm_breakdown(output_dir / "metrics.jsonl", output_dir / "comm_breakdown.png", pipelined=pipelined)
 
-
-def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float (in dicts and lists too) as None."""
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return None if isinstance(value, float) and not math.isfinite(value) else value

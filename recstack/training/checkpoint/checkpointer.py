@@ -20,7 +20,6 @@ its files (hard links: no copy on disk) into ``best/`` and names it in ``best.js
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import warnings
@@ -32,6 +31,7 @@ import torch
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.collection import EmbeddingCollection
 from recstack.errors import CheckpointError, ConfigError
+from recstack.io import json_safe
 from recstack.training.checkpoint.sharded import (
     _STEP_DIR,
     SHARDED_STATE_FILE,
@@ -129,7 +129,7 @@ class Checkpointer:
             if not src.name.endswith((".tmp", ".old")):
                 _link(src, best_dir / src.name)
         record = {"step": step, "checkpoint": f"{BEST_DIR}/{checkpoint.name}",
-                  "metrics": {k: v if isinstance(v, int) or math.isfinite(v) else None for k, v in metrics.items()}}
+                  "metrics": json_safe(metrics)}
         tmp = self.directory / (BEST_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=2))
         os.replace(tmp, self.directory / BEST_FILE)  # best.json names the new one before the old one goes

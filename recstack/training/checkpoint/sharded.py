@@ -36,6 +36,7 @@ from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.distributed.sharding import Shard
 from recstack.embedding import TableConfig
 from recstack.errors import CheckpointError
+from recstack.io import fsync_dir, open_synced
 from recstack.training.checkpoint.integrity import (
     DIGESTS,
     SafeFileSystemReader,
@@ -190,19 +191,9 @@ def rank_file(path: Path, rank: int) -> Path:
     return path / f"rank_{rank:05d}.pt"
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write(path: Path, state: dict[str, Any]) -> None:
-    with open(path, "wb") as f:
+    with open_synced(path) as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def save_sharded(directory: Path, step: int, coll: ShardedEmbeddingCollection, trainer_state: dict[str, Any],
@@ -223,7 +214,7 @@ def save_sharded(directory: Path, step: int, coll: ShardedEmbeddingCollection, t
         others = [p.name for p in tmp.iterdir() if p.name != SHARDED_STATE_FILE]
         _write(tmp / SHARDED_STATE_FILE, {**trainer_state, "step": step, "complete": True,
                                           DIGESTS: file_digests(tmp, others)})
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from recstack.errors import CheckpointError
+from recstack.io import fsync_dir, fsync_file, open_synced
 from recstack.training.checkpoint.integrity import DIGESTS, file_digests, load_pt, note_unverified, verify_files
 
 _NAME = re.compile(r"^ckpt_(\d{9})(\.pt)?$")  # a file ckpt_<step>.pt or a directory ckpt_<step>
@@ -34,19 +35,9 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"ckpt_{step:09d}.pt"
 
 
-def _fsync_dir(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY)  # make renames and new entries durable
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def _write_state(path: Path, step: int, state: dict[str, Any]) -> None:
-    with open(path, "wb") as f:
+    with open_synced(path) as f:
         torch.save({**state, "step": step, "complete": True}, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def save_checkpoint(
@@ -80,12 +71,11 @@ def save_checkpoint(
                 raise ValueError(f"checkpoint file {rel!r} would be written outside {tmp}")
             path.parent.mkdir(parents=True, exist_ok=True)
             writer(path)
-            with open(path, "rb") as f:  # whatever the writer did, the bytes must be on disk before the rename
-                os.fsync(f.fileno())
+            fsync_file(path)  # whatever the writer did, the bytes must be on disk before the rename
         for sub in {(tmp / rel).parent for rel in files}:
-            _fsync_dir(sub)
+            fsync_dir(sub)
         _write_state(tmp / STATE_FILE, step, {**state, DIGESTS: file_digests(tmp, files)})
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # saved again at the same step: move the old one aside first (a rename cannot
             old = final.with_name(final.name + ".old")  # replace a non-empty directory)
             shutil.rmtree(old, ignore_errors=True)
@@ -94,7 +84,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     if keep > 0:
         # The one just written always stays, even when a stale one has a higher step (a run resumed from an
         # earlier checkpoint because the newest did not load): pruning by step alone would delete it.
