@@ -70,6 +70,15 @@ class SparseFeatures:
         w = self.weights[lo:hi] if self.weights is not None else None
         return SparseFeatures(self.ids[lo:hi], offsets, end - start, w)
 
+    def select(self, features: list[int]) -> SparseFeatures:
+        """The listed features (in that order) as their own SparseFeatures (a copy)."""
+        parts = [self.feature_slice(f, f + 1) for f in features]
+        ids = torch.cat([p.ids for p in parts])
+        lens = torch.cat([p.lengths for p in parts])
+        offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+        w = torch.cat([p.weights for p in parts if p.weights is not None]) if self.weights is not None else None
+        return SparseFeatures(ids, offsets, len(features), w)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseFeatures:
         w = self.weights.to(device, non_blocking=non_blocking) if self.weights is not None else None
         return SparseFeatures(

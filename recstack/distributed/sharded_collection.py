@@ -44,6 +44,7 @@ from recstack.distributed.sharding import Shard, table_shards
 from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_block
 from recstack.embedding.fused import FusedEmbeddingBagCollection, TableInit
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
+from recstack.errors import ConfigError
 
 # (tables, optimizer, device, init) -> the collection that holds one group of local shards, init(i, out) writing
 # its table i's initial rows: how the shards are held (in memory, or later in cached tiers) is the factory's.
@@ -123,6 +124,10 @@ class ReplicatedEmbeddingBagCollection(FusedEmbeddingBagCollection):
 
 
 class ShardedEmbeddingCollection(EmbeddingCollection):
+    # Tables of several dims (``model.table_dims``): the local shards are grouped by dim anyway, and the pooled
+    # output is then flat, [B, sum of feature dims] (see ``EmbeddingCollection.forward``).
+    holds_mixed_dims = True
+
     def __init__(
         self,
         tables: list[TableConfig],
@@ -207,8 +212,15 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.dp_features = [f for f, t in enumerate(self.feature_table) if t in dp_tables]
         self.replicated: ReplicatedEmbeddingBagCollection | None = None
         if dp_tables:
+            dp_dims = {self.tables[t].embedding_dim for t in dp_tables}
+            if len(dp_dims) > 1:  # the replicas live in one fused weight of one dim
+                low = min(dp_dims)
+                odd = next(self.tables[t] for t in dp_tables if self.tables[t].embedding_dim != low)
+                raise ConfigError(f"model.table_dims: data_parallel table {odd.name!r} has dim {odd.embedding_dim}, "
+                                  f"other data_parallel tables {low}: replicated tables share one weight of one "
+                                  "dim (give them one dim, or shard them table_wise / row_wise)")
             remap = {f: i for i, f in enumerate(self.dp_features)}
-            cfgs = [TableConfig(self.tables[t].name, self.tables[t].num_embeddings, self.embedding_dim,
+            cfgs = [TableConfig(self.tables[t].name, self.tables[t].num_embeddings, self.tables[t].embedding_dim,
                                 tuple(remap[f] for f in self.tables[t].features)) for t in dp_tables]
 
             def whole(i: int, out: torch.Tensor) -> None:
@@ -335,7 +347,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             received[(f, s.table, s.index)] = piece.view(b, s.dim)
         local = None
         if self.replicated is not None:
-            local = self.replicated(sparse_select(sparse, self.dp_features))  # [B, F_dp, D]
+            local = self.replicated(sparse.select(self.dp_features))  # [B, F_dp, D]
         outs = []
         dp_pos = {f: i for i, f in enumerate(self.dp_features)}
         for f, t in enumerate(self.feature_table):
@@ -353,7 +365,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 outs.append(acc)
             else:
                 outs.append(received[(f, t, 0)])
-        return torch.stack(outs, dim=1)  # [B, F, D]
+        return torch.cat(outs, dim=1) if self.mixed_dims else torch.stack(outs, dim=1)  # [B, sum d_f] / [B, F, D]
 
     # -- capabilities of the collection interface ------------------------------------------------------------
     def pop_counters(self) -> dict[str, float]:
@@ -401,7 +413,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                     parts.append((si, coll.table_weight(tc.name).detach().cpu()))
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, parts)
-        full = torch.zeros(self.tables[t].num_embeddings, self.embedding_dim)
+        full = torch.zeros(self.tables[t].num_embeddings, self.tables[t].embedding_dim)
         for rank_parts in gathered:
             for si, w in rank_parts:
                 s = self.shards[t][si]
@@ -417,12 +429,3 @@ def _nest(flat: list, sizes: list[int]) -> list[list]:
         pos += n
     return out
 
-
-def sparse_select(sparse: SparseFeatures, features: list[int]) -> SparseFeatures:
-    """The listed features (in that order) of a feature-major SparseFeatures."""
-    parts = [sparse.feature_slice(f, f + 1) for f in features]
-    ids = torch.cat([p.ids for p in parts])
-    lens = torch.cat([p.lengths for p in parts])
-    offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-    w = torch.cat([p.weights for p in parts if p.weights is not None]) if sparse.weights is not None else None
-    return SparseFeatures(ids, offsets, len(features), w)

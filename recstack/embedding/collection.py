@@ -79,15 +79,21 @@ def init_block(table: TableConfig, seed: int, index: int, rows: tuple[int, int],
 
 
 class EmbeddingCollection(nn.Module, abc.ABC):
-    """Pooled (sum) lookups of F features into tables of one common dim D."""
+    """Pooled (sum) lookups of F features into tables of one common dim D, or, in a collection that
+    ``holds_mixed_dims``, tables of their own dims (``feature_dims``, ``mixed_dims``)."""
+
+    # Whether tables of different dims may share the collection; its pooled output is then flat (``forward``).
+    holds_mixed_dims: bool = False
 
     def __init__(self, tables: list[TableConfig], optimizer: SparseOptimizerConfig) -> None:
         super().__init__()
         self.tables = list(tables)
         dims = {t.embedding_dim for t in tables}
-        if len(dims) != 1:
+        if len(dims) != 1 and not (self.holds_mixed_dims and dims):
             raise ValueError(f"all tables need one embedding_dim, got {sorted(dims)}")
-        self.embedding_dim = dims.pop()
+        # True: the tables have more than one dim. embedding_dim is then the widest (a bound, not every table's).
+        self.mixed_dims = len(dims) > 1
+        self.embedding_dim = max(dims)
         feature_table: dict[int, int] = {}
         for ti, t in enumerate(tables):
             for f in t.features:
@@ -98,15 +104,25 @@ class EmbeddingCollection(nn.Module, abc.ABC):
         if sorted(feature_table) != list(range(self.num_features)):
             raise ValueError(f"features must be numbered 0..F-1, got {sorted(feature_table)}")
         self.feature_table = [feature_table[f] for f in range(self.num_features)]
+        self.feature_dims = [tables[t].embedding_dim for t in self.feature_table]  # [F]
         self.optimizer = SparseOptimizer(optimizer)
 
     @abc.abstractmethod
     def forward(self, sparse: SparseFeatures) -> torch.Tensor:
-        """-> pooled embeddings [B, F, D]; in training with grad enabled, backward updates the rows."""
+        """-> pooled embeddings [B, F, D]; with ``mixed_dims`` [B, sum of feature_dims] instead, each sample's
+        features one after another (feature f at its own dim). In training with grad enabled, backward updates
+        the rows."""
 
     @abc.abstractmethod
     def table_weight(self, name: str) -> torch.Tensor:
-        """The full weight [rows, D] of one table (a copy where the table is not held whole)."""
+        """The full weight [rows, dim] of one table (a copy where the table is not held whole)."""
+
+    def weight_groups(self) -> list[tuple[str, list[TableConfig]]]:
+        """(state-dict prefix, tables) of each ``<prefix>weight`` [sum of rows, dim] (and ``<prefix>accumulator``
+        [sum of rows]) the collection's state holds, the tables' rows one after another: how a whole-table
+        state is laid out for it (a sharded checkpoint read into one process). One group of every table by
+        default; a collection of several such groups (one per dim) lists each."""
+        return [("", self.tables)]
 
     # -- optional capabilities: every collection has them, most as the no-ops below ---------------------------
     # Whether the rows live in table files (cached tiers) rather than in the module's state dict: such a

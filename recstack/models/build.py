@@ -7,16 +7,21 @@ from typing import TextIO
 import torch
 
 from recstack.embedding import EmbeddingCollection, FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
+from recstack.embedding.mixed import MixedDimEmbeddingCollection
 from recstack.embedding.qr import QRSplit
 from recstack.embedding.tiered.config import MemoryConfig
 from recstack.embedding.tiered.placement import build_collection, memory_budgets_set
+from recstack.errors import ConfigError
 from recstack.models.config import ModelConfig
 from recstack.models.dlrm import DLRM
 
 
-def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = None) -> list[TableConfig]:
+def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = None,
+                  dims: dict[str, int] | None = None) -> list[TableConfig]:
     """``table_sizes`` and ``names`` have one entry per sparse feature: the table it looks up. Features that
-    name the same table share it (a schema's ``table = ...``), so their sizes must agree."""
+    name the same table share it (a schema's ``table = ...``), so their sizes must agree. Tables have ``dim``
+    columns, those named in ``dims`` their own."""
+    dims = dims or {}
     names = names or [f"t{i}" for i in range(len(table_sizes))]
     features: dict[str, list[int]] = {}
     for i, name in enumerate(names):
@@ -26,7 +31,7 @@ def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = No
         sizes = {table_sizes[i] for i in feats}
         if len(sizes) != 1:
             raise ValueError(f"table {name!r} is shared by features {feats} with different sizes {sorted(sizes)}")
-        tables.append(TableConfig(name, table_sizes[feats[0]], dim, tuple(feats)))
+        tables.append(TableConfig(name, table_sizes[feats[0]], dims.get(name, dim), tuple(feats)))
     return tables
 
 
@@ -50,13 +55,21 @@ def build_model(
     model whose tables will be sharded (``recstack.distributed.parallelize.shard_model`` builds the shards);
     the dense layers are on ``device`` all the same, drawn in the same order."""
     model.check_dense(num_dense)  # the bottom MLP's widths, now that the data's dense features are known
-    tables = table_configs(table_sizes, model.embedding_dim, names)
+    names = names or [f"t{i}" for i in range(len(table_sizes))]
+    model.check_table_names(names)
+    tables = table_configs(table_sizes, model.embedding_dim, names, model.table_dims)
     qr = QRSplit.build(tables, model.qr_collisions, model.qr_threshold, model.qr_operation)
     if qr is not None:  # the collection holds the quotient and remainder tables
         tables = list(qr.tables)
     emb: EmbeddingCollection
+    mixed = len({t.embedding_dim for t in tables}) > 1
     if memory is not None and memory_budgets_set(memory):  # tables that do not fit get cached tiers (plan printed)
+        if mixed:
+            raise ConfigError("model.table_dims: tables of different dims cannot be placed over memory tiers "
+                              "([memory] budgets); give every table model.embedding_dim or drop the budgets")
         emb = build_collection(memory, tables, sparse_optim, seed, device, log)  # (refuses torchrun)
+    elif mixed:  # one fused collection per dim
+        emb = MixedDimEmbeddingCollection(tables, sparse_optim, seed=seed, device="meta" if tables_on_meta else device)
     else:
         emb = FusedEmbeddingBagCollection(tables, sparse_optim, seed=seed, device="meta" if tables_on_meta else device)
     net = DLRM(model, num_dense, emb, qr)

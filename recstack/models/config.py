@@ -18,7 +18,13 @@ class ModelConfig:
     Regularisation of both MLPs' hidden layers (every layer but the last of each MLP): ``mlp_norm`` normalises
     each hidden layer's output before its ReLU (``batch``: BatchNorm1d, ``layer``: LayerNorm), ``dropout``
     zeroes each hidden activation with that probability in training (after the ReLU; identity in eval).
-    Both off by default, and then the MLPs are exactly today's (the fused training step, same numerics)."""
+    Both off by default, and then the MLPs are exactly today's (the fused training step, same numerics).
+
+    ``table_dims`` {table name: dim} gives some tables their own embedding dim (mixed-dimension embeddings):
+    such a table is looked up at that dim and a learned per-table linear map (a dense parameter) projects its
+    pooled vectors to ``embedding_dim``, so the interaction sees every feature at ``embedding_dim``; the other
+    tables have ``embedding_dim``. Table names are the data's (Criteo ``C1``..``C26``, a schema's feature or
+    ``table = ...`` names). Empty by default: the model is exactly today's."""
 
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
@@ -33,6 +39,7 @@ class ModelConfig:
     qr_operation: Literal["mult", "add"] = "mult"
     dropout: float = 0.0
     mlp_norm: Literal["none", "batch", "layer"] = "none"
+    table_dims: dict[str, int] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Ranges and widths; each ConfigError names the field. The widths the interaction needs of the bottom
@@ -52,6 +59,23 @@ class ModelConfig:
             raise ConfigError(f"model.top_mlp: must end in 1 (a logit), got {self.top_mlp}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
+        for name, dim in self.table_dims.items():
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+                raise ConfigError(f"model.table_dims.{name}: must be a positive integer, got {dim!r}")
+        if self.table_dims and self.qr_collisions:
+            raise ConfigError("model.table_dims: per-table dims are not supported with quotient-remainder tables "
+                              f"(model.qr_collisions={self.qr_collisions}); use one or the other")
+
+    def table_dim(self, name: str) -> int:
+        """The embedding dim of table ``name``: its ``table_dims`` entry, else ``embedding_dim``."""
+        return self.table_dims.get(name, self.embedding_dim)
+
+    def check_table_names(self, names: list[str]) -> None:
+        """Every ``table_dims`` key against the data's table names, checked when the model is built."""
+        for name in self.table_dims:
+            if name not in names:
+                shown = ", ".join(dict.fromkeys(names))
+                raise ConfigError(f"model.table_dims.{name}: the data has no table {name!r} (tables: {shown})")
 
     def check_dense(self, num_dense: int) -> None:
         """The bottom MLP against the data's ``num_dense`` dense features, checked when the model is built (only

@@ -17,6 +17,7 @@ from recstack.embedding.qr import QRSplit
 from recstack.models.config import ModelConfig
 from recstack.models.fused_mlp import MLP, Norm
 from recstack.models.interaction import CatInteraction, DCNv2Interaction, DotInteraction
+from recstack.models.projection import TableProjection
 
 
 def mlp(sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none") -> nn.Sequential:
@@ -31,12 +32,15 @@ class DLRM(nn.Module):
 
     With quotient-remainder tables (``qr``) the collection reads F + K features: the batch's F are split
     (here, or by the loader ahead of a sharded collection's id distribution: ``split_batch``) and the pooled
-    [B, F + K, D] combined back to [B, F, D] before the interaction."""
+    [B, F + K, D] combined back to [B, F, D] before the interaction.
+
+    With tables of other dims than ``cfg.embedding_dim`` (``cfg.table_dims``) the pooled output is projected
+    to it per table (``projection``, a dense part) before the interaction; None otherwise."""
 
     def __init__(self, cfg: ModelConfig, num_dense: int, embeddings: EmbeddingCollection,
                  qr: QRSplit | None = None) -> None:
         super().__init__()
-        d = embeddings.embedding_dim
+        d = cfg.embedding_dim
         f = qr.num_features if qr is not None else embeddings.num_features
         self.embeddings = embeddings
         self.qr = qr
@@ -53,6 +57,9 @@ class DLRM(nn.Module):
         else:
             self.interaction = DCNv2Interaction(f, d, dense_dim, cfg.dcn_layers, cfg.dcn_low_rank)
         self.top = mlp([self.interaction.out_dim, *cfg.top_mlp], False, drop, norm)
+        # Drawn after the MLPs, so that a model without it draws exactly as before.
+        self.projection = (TableProjection(embeddings.feature_dims, embeddings.feature_table, len(embeddings.tables), d)
+                           if any(x != d for x in embeddings.feature_dims) else None)
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Parameters trained by the dense optimizer (and all-reduced by DDP); embeddings update themselves."""
@@ -61,7 +68,9 @@ class DLRM(nn.Module):
     def forward_features(self, batch: Batch) -> torch.Tensor:
         """-> interaction output [B, interaction.out_dim] (the shared body for heads built on top)."""
         dense = self.bottom(batch.dense) if self.bottom is not None else None
-        if self.qr is None:
+        if self.projection is not None:  # tables of their own dims: [B, sum of feature dims] -> [B, F, D]
+            emb = self.projection(self.embeddings(batch.sparse))
+        elif self.qr is None:
             emb = self.embeddings(batch.sparse)  # [B, F, D]
         else:
             emb = self.qr.combine(self.embeddings(self.qr.split(batch.sparse)))  # [B, F + K, D] -> [B, F, D]

@@ -10,6 +10,8 @@ Layout (``MODEL_ROOT/<version>/`` when exported into a versions directory, ``ver
                          float32 / float16 [rows, D], int8 codes uint8 [rows, D] or int4 codes two a byte
                          uint8 [rows, ceil(D / 2)], codes padded to whole 4-byte words
     tables/<width>.sb.npy  int8 / int4 only: per-row (scale, bias) float16 [rows, 2]
+                         (with per-table dims, ``model.table_dims``: one group per width and dim,
+                         ``tables/<width>_d<dim>.npy``; the dense program then takes pooled [B, sum of dims])
     transforms.json      how raw feature values become model inputs (``recstack.serving.transforms``)
     transforms/*.npy     large transform arrays (the Criteo vocabularies' sorted keys)
 

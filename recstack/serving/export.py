@@ -43,15 +43,20 @@ TRANSFORMS_FILE = "transforms.json"
 
 
 class DenseProgram(nn.Module):
-    """The model after its embedding lookup: pooled [B, F', D] (F' = F + split features) and dense
-    [B, n_dense] (absent without dense features) -> logits [B]."""
+    """The model after its embedding lookup: pooled [B, F', D] (F' = F + split features; with per-table dims
+    ``model.table_dims`` [B, sum of feature dims], projected here) and dense [B, n_dense] (absent without
+    dense features) -> logits [B]."""
 
     def __init__(self, model: DLRM) -> None:
         super().__init__()
         self.bottom, self.interaction, self.top, self.qr = model.bottom, model.interaction, model.top, model.qr
+        self.projection = model.projection
 
     def forward(self, pooled: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
-        emb = self.qr.combine(pooled) if self.qr is not None else pooled
+        if self.projection is not None:
+            emb = self.projection(pooled)
+        else:
+            emb = self.qr.combine(pooled) if self.qr is not None else pooled
         x = self.bottom(dense) if self.bottom is not None else None
         return self.top(self.interaction(x, emb)).squeeze(1)
 
@@ -63,7 +68,8 @@ def export_program(model: DLRM, path: Path) -> None:
     d, b = model.embeddings.embedding_dim, 4
     device = next(model.parameters()).device
     batch = torch.export.Dim("batch", min=1)
-    args: tuple[torch.Tensor, ...] = (torch.randn(b, f, d, device=device),)
+    shape = (b, sum(model.embeddings.feature_dims)) if model.projection is not None else (b, f, d)
+    args: tuple[torch.Tensor, ...] = (torch.randn(*shape, device=device),)
     shapes: dict[str, Any] = {"pooled": {0: batch}}
     if model.num_dense:
         args += (torch.randn(b, model.num_dense, device=device),)
@@ -137,29 +143,32 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
     def fill(tmp: Path, version: int) -> dict[str, Any]:
         export_program(model, tmp / PROGRAM_FILE)
         (tmp / "tables").mkdir()
-        # One file (and one scale/bias file) per width, the tables of that width stacked in table order: a
-        # lookup then gathers from one array per width, whatever the number of tables.
+        # One file (and one scale/bias file) per width (and dim, with per-table dims), the tables of that group
+        # stacked in table order: a lookup then gathers from one array per group, whatever the number of tables.
         entries: list[dict[str, Any]] = []
         files: dict[str, dict[str, Any]] = {}
         offsets: dict[str, int] = {}
-        for w in sorted(set(widths.values()), key=WIDTHS.index):
-            rows = sum(t.num_embeddings for t in emb.tables if widths[t.name] == w)
-            data_rel, sb_rel = f"tables/{w}.npy", f"tables/{w}.sb.npy" if w in LEVELS else None
-            codes, sb = open_group(w, rows, emb.embedding_dim, tmp / data_rel, tmp / sb_rel if sb_rel else Path())
-            files[w] = {"data": data_rel, "data_dtype": str(codes.dtype), "data_shape": list(codes.shape),
-                        "scale_bias": sb_rel, "maps": (codes, sb)}
-            offsets[w] = 0
+        group = {t.name: widths[t.name] + (f"_d{t.embedding_dim}" if emb.mixed_dims else "") for t in emb.tables}
+        for w, dim in sorted({(widths[t.name], t.embedding_dim) for t in emb.tables},
+                             key=lambda k: (WIDTHS.index(k[0]), k[1])):
+            key = w + (f"_d{dim}" if emb.mixed_dims else "")
+            rows = sum(t.num_embeddings for t in emb.tables if group[t.name] == key)
+            data_rel, sb_rel = f"tables/{key}.npy", f"tables/{key}.sb.npy" if w in LEVELS else None
+            codes, sb = open_group(w, rows, dim, tmp / data_rel, tmp / sb_rel if sb_rel else Path())
+            files[key] = {"width": w, "dim": dim, "data": data_rel, "data_dtype": str(codes.dtype),
+                          "data_shape": list(codes.shape), "scale_bias": sb_rel, "maps": (codes, sb)}
+            offsets[key] = 0
         for t in emb.tables:
-            w = widths[t.name]
-            codes, sb = files[w]["maps"]
+            w, key = widths[t.name], group[t.name]
+            codes, sb = files[key]["maps"]
             try:
-                write_table(emb.table_weight(t.name), w, codes, sb, offsets[w])
+                write_table(emb.table_weight(t.name), w, codes, sb, offsets[key])
             except ValueError as e:
                 raise ArtifactError(f"table {t.name!r}: cannot store it as {w}: {e}") from e
             entries.append({"name": t.name, "rows": t.num_embeddings, "dim": t.embedding_dim, "width": w,
-                            "features": list(t.features), "offset": offsets[w],
+                            "group": key, "features": list(t.features), "offset": offsets[key],
                             "bytes": t.num_embeddings * bytes_per_row(w, t.embedding_dim)})
-            offsets[w] += t.num_embeddings
+            offsets[key] += t.num_embeddings
         for f in files.values():
             for a in f.pop("maps"):
                 if a is not None:
@@ -177,8 +186,11 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
             "source": {**(source or {}), "data": str(Path(data.path).resolve())},
             "config": cfg.to_dict(),
             "model": {"num_dense": model.num_dense, "dense_features": list(data.dense_features),
-                      "embedding_dim": emb.embedding_dim, "interaction": m.interaction,
-                      "feature_table": list(emb.feature_table), "qr": qr},
+                      "embedding_dim": m.embedding_dim if model.projection is not None else emb.embedding_dim,
+                      "interaction": m.interaction,
+                      "feature_table": list(emb.feature_table), "qr": qr,
+                      # per-table dims: the dense program takes the pooled features flat, each at its dim
+                      "feature_dims": list(emb.feature_dims) if model.projection is not None else None},
             "features": feats,
             "tables": entries,
             "table_files": files,

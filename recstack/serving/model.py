@@ -146,16 +146,19 @@ class ServingModel:
         self.num_dense = int(m["num_dense"])
         groups: list[QuantizedRows] = []
         index: dict[str, int] = {}
-        for w, f in manifest["table_files"].items():
+        # A group of tables per width, or per width and dim with per-table dims (artifacts written before
+        # those name the group by its width, their dim is the model's).
+        for key, f in manifest["table_files"].items():
             data = self._array(f["data"], f["data_shape"], f["data_dtype"])
             sb = self._array(f["scale_bias"], [f["data_shape"][0], 2], "float16") if f["scale_bias"] else None
-            index[w] = len(groups)
-            groups.append(QuantizedRows(w, int(m["embedding_dim"]), data, sb, device))
+            index[key] = len(groups)
+            groups.append(QuantizedRows(f.get("width", key), int(f.get("dim", m["embedding_dim"])), data, sb, device))
         tables = manifest["tables"]
         slot = {f: t for t in tables for f in t["features"]}  # collection feature -> its table
         feats = range(len(slot))
-        self.collection = QuantizedEmbeddingCollection(groups, [index[slot[f]["width"]] for f in feats],
-                                                       [slot[f]["offset"] for f in feats])
+        self.collection = QuantizedEmbeddingCollection(groups, [index[slot[f].get("group", slot[f]["width"])]
+                                                                for f in feats], [slot[f]["offset"] for f in feats],
+                                                       flat=m.get("feature_dims") is not None)
         self.qr: QRSplit | None = None
         if m.get("qr"):
             q, feats = m["qr"], manifest["features"]

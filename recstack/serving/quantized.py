@@ -168,18 +168,23 @@ class QuantizedRows:
 
 class QuantizedEmbeddingCollection:
     """Pooled (sum) lookups of F features into quantized tables: ``SparseFeatures`` (F features, batch B)
-    -> [B, F, D] float32, as ``FusedEmbeddingBagCollection`` pools in eval mode.
+    -> [B, F, D] float32, as ``FusedEmbeddingBagCollection`` pools in eval mode; with ``flat`` (per-table dims:
+    groups of several dims) [B, sum of feature dims] instead, each sample's features one after another, as
+    ``MixedDimEmbeddingCollection`` pools.
 
-    ``feature_group[f]``: the width group (index into ``groups``) holding feature f's table;
-    ``feature_offset[f]``: the table's first row in it. A batch costs a constant number of kernels per width
-    group, not per feature: one gather of the rows its ids name, one dequantization, one ``embedding_bag``."""
+    ``feature_group[f]``: the group (index into ``groups``, one per width, or per width and dim) holding feature
+    f's table; ``feature_offset[f]``: the table's first row in it. A batch costs a constant number of kernels
+    per group, not per feature: one gather of the rows its ids name, one dequantization, one ``embedding_bag``."""
 
-    def __init__(self, groups: list[QuantizedRows], feature_group: list[int], feature_offset: list[int]) -> None:
+    def __init__(self, groups: list[QuantizedRows], feature_group: list[int], feature_offset: list[int],
+                 flat: bool = False) -> None:
         dims = {g.dim for g in groups}
-        if len(dims) != 1:
+        if len(dims) != 1 and not flat:
             raise ValueError(f"all tables need one embedding dim, got {sorted(dims)}")
-        self.groups = groups
-        self.num_features, self.embedding_dim = len(feature_group), dims.pop()
+        self.groups, self.flat = groups, flat
+        # embedding_dim: the widest group's (rows narrower than it are gathered zero-padded to it)
+        self.num_features, self.embedding_dim = len(feature_group), max(dims)
+        self.feature_dims = [groups[g].dim for g in feature_group]  # [F]
         device = groups[0].data.device
         self.feature_group = torch.tensor(feature_group, dtype=torch.int64, device=device)
         self.feature_offset = torch.tensor(feature_offset, dtype=torch.int64, device=device)
@@ -195,16 +200,20 @@ class QuantizedEmbeddingCollection:
             rows = self.groups[0].lookup(ids)  # [N, D], the gathered rows in id order
         else:
             group = self.feature_group.repeat_interleave(per_feature, output_size=n)
-            rows = torch.empty(n, d, dtype=torch.float32, device=device)
+            padded = any(qr.dim != d for qr in self.groups)  # zero columns add nothing to the bags' sums
+            rows = (torch.zeros if padded else torch.empty)(n, d, dtype=torch.float32, device=device)
             for g, qr in enumerate(self.groups):
                 pos = torch.nonzero(group == g).squeeze(1)
-                rows[pos] = qr.lookup(ids[pos])
+                rows[pos, : qr.dim] = qr.lookup(ids[pos])
         # Bag i sums rows[offsets[i] : offsets[i + 1]]: the positions of its ids, in order, as in training.
         pooled = F.embedding_bag(torch.arange(n, device=device), rows, sparse.offsets.to(device), mode="sum",
                                  per_sample_weights=sparse.weights, include_last_offset=True)
+        by_feature = pooled.view(self.num_features, b, d)
+        if self.flat:  # [F, B, D] -> [B, sum of feature dims], each feature's own columns
+            return torch.cat([by_feature[f, :, :df] for f, df in enumerate(self.feature_dims)], dim=1)
         # [F * B, D] -> [B, F, D], contiguous: the exported program was traced on contiguous inputs, and
         # a reshape there is a view that a transposed input cannot take.
-        return pooled.view(self.num_features, b, d).transpose(0, 1).contiguous()
+        return by_feature.transpose(0, 1).contiguous()
 
     @property
     def nbytes(self) -> int:

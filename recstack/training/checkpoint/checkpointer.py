@@ -187,10 +187,11 @@ class Checkpointer:
         path = Path(state["path"])
         if not (path / SHARDED_STATE_FILE).is_file():
             return
-        weight, acc = read_full_tables(path, embeddings.tables, embeddings.optimizer.needs_accumulator)
-        state["model"]["embeddings.weight"] = weight.to(device)
-        if acc is not None:
-            state["model"]["embeddings.accumulator"] = acc.to(device)
+        for prefix, tables in embeddings.weight_groups():  # one weight per group (per dim with model.table_dims)
+            weight, acc = read_full_tables(path, tables, embeddings.optimizer.needs_accumulator)
+            state["model"][f"embeddings.{prefix}weight"] = weight.to(device)
+            if acc is not None:
+                state["model"][f"embeddings.{prefix}accumulator"] = acc.to(device)
 
 
 def read_best(ckpt_dir: Path) -> dict[str, Any] | None:
