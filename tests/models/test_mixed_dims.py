@@ -68,3 +68,24 @@ def test_rows_match_the_same_tables_at_one_dim() -> None:
 def test_bad_table_dims_name_the_key(dims: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         _model(table_dims=dims)
+
+
+def test_export_scores_equal_offline_predict(tiny_dataset, tmp_path) -> None:
+    """fp32 tables of several dims: the served scores are the offline model's, exactly."""
+    from conftest import train_steps
+
+    from recstack.data.format import PreparedDataset
+    from recstack.serving.export import export_checkpoint
+    from recstack.serving.model import EncodedBatch, ServingModel
+    from recstack.training.inference import load_model
+
+    run = tmp_path / "run"
+    train_steps(tiny_dataset, run, ["train.max_steps=10", "model.table_dims={C3=2, C1=4}"])
+    path, _ = export_checkpoint(run, tmp_path / "art")
+    served = ServingModel.load(path)
+    assert {t["name"]: t["dim"] for t in served.manifest["tables"]} == {"C1": 4, "C2": 8, "C3": 2, "C4": 8}
+    _, net = load_model(run, "cpu")
+    batch = PreparedDataset(tiny_dataset).batch(0, 64)
+    with torch.no_grad():
+        offline = net(batch)
+    assert torch.equal(served.score(EncodedBatch(batch.dense, batch.sparse)), offline)
