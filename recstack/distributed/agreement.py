@@ -94,6 +94,10 @@ def check_agreement(facts: dict[str, Any], what: str, timeout_s: float) -> None:
             f"answered within dist.timeout_s={timeout_s:g} s): {e}") from e
     diff = first_difference(gathered)
     if diff is not None:
+        # Every rank saw the same facts and stops here: leave the job together (barrier, then every group torn
+        # down), so that no rank's gloo connections die under a peer still closing its own (SIGABRT at exit).
+        dist.barrier()
+        dist.destroy_process_group()
         raise ConfigError(f"the ranks of this job disagree on their {what}: {diff}; every rank must run the same "
                           "command on the same files")
 

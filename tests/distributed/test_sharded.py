@@ -23,15 +23,16 @@ from recstack.training.step import build_dense_optimizer
 GLOBAL_BATCH, STEPS, DIM = 64, 50, 8
 
 
-def _cfg(sparse_opt: str):
+def _cfg(sparse_opt: str, extra: tuple[str, ...] = ()):
     return load_config(None, [f"model.embedding_dim={DIM}", f"model.bottom_mlp=[16, {DIM}]", "model.top_mlp=[16, 1]",
-                              f'optim.sparse="{sparse_opt}"', "optim.sparse_lr=0.05", "optim.dense_lr=0.05"])
+                              f'optim.sparse="{sparse_opt}"', "optim.sparse_lr=0.05", "optim.dense_lr=0.05", *extra])
 
 
 def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ranks_per_node=None,
-         aggregate: bool = False):
-    """Train STEPS steps; -> (losses of the global batch, eval AUC, full tables, backward bytes sent)."""
-    cfg = _cfg(sparse_opt)
+         aggregate: bool = False, extra: tuple[str, ...] = ()):
+    """Train STEPS steps; -> (losses of the global batch, eval AUC, full tables, backward bytes sent).
+    ``extra``: config overrides (``--set`` form) on top of the small model."""
+    cfg = _cfg(sparse_opt, extra)
     ds = PreparedDataset(data)
     torch.manual_seed(0)
     # sharded: the tables on "meta" and only this rank's shards drawn (the same rows as the whole tables')
@@ -83,7 +84,8 @@ def _plans(world: int) -> dict[str, tuple[list, int | None]]:
     }
 
 
-def _worker(rank: int, world: int, init_file: str, data: str, out: str, sparse_opt: str, names: list[str]) -> None:
+def _worker(rank: int, world: int, init_file: str, data: str, out: str, sparse_opt: str, names: list[str],
+            extra: tuple[str, ...] = ()) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -91,17 +93,19 @@ def _worker(rank: int, world: int, init_file: str, data: str, out: str, sparse_o
         plans = _plans(world)
         for name in names:
             placements, rpn = plans[name.removesuffix("+agg")]
-            results[name] = _run(Path(data), sparse_opt, rank, world, placements, rpn, name.endswith("+agg"))
+            results[name] = _run(Path(data), sparse_opt, rank, world, placements, rpn, name.endswith("+agg"), extra)
         if rank == 0:
             torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(tmp_path: Path, data: Path, world: int, sparse_opt: str, names: list[str]) -> dict:
+def _spawn(tmp_path: Path, data: Path, world: int, sparse_opt: str, names: list[str],
+           extra: tuple[str, ...] = ()) -> dict:
     out = tmp_path / f"res_{world}_{sparse_opt}.pt"
     init = tmp_path / f"init_{world}_{sparse_opt}"
-    mp.spawn(_worker, args=(world, str(init), str(data), str(out), sparse_opt, names), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(init), str(data), str(out), sparse_opt, names, extra), nprocs=world,
+             join=True)
     return torch.load(out, weights_only=False)
 
 
@@ -120,6 +124,26 @@ def test_every_sharding_matches_single_process(tiny_dataset: Path, tmp_path: Pat
     assert ref_losses[-1] < ref_losses[0]  # training moved at all
     for name in ("row_wise", "table_row_wise", "mixed"):  # one-hot features: far fewer gradient rows sent
         assert results[f"{name}+agg"][3] < 0.8 * results[name][3], name
+
+
+@pytest.mark.parametrize("sparse_opt", ["sgd", "rowwise_adagrad"])
+def test_mixed_table_dims_sharded_match_single_process(tiny_dataset: Path, tmp_path: Path, sparse_opt: str) -> None:
+    # model.table_dims: C1 and C3 at their own dims (projected to DIM), C2 and C4 at DIM; "mixed" has one
+    # data-parallel table, so the replicated weight still has one dim
+    extra = ("model.table_dims={C1 = 4, C3 = 2}",)
+    names = ["table_wise", "row_wise", "table_row_wise"]
+    if sparse_opt == "sgd":  # column-wise keeps per-shard accumulators (documented): compared with SGD only
+        names += ["column_wise", "mixed"]
+    ref_losses, ref_auc, ref_tables, _ = _run(tiny_dataset, sparse_opt, 0, 1, extra=extra)
+    assert [t.shape[1] for t in ref_tables] == [4, DIM, 2, DIM]
+    results = _spawn(tmp_path, tiny_dataset, 2, sparse_opt, names, extra)
+    for name in names:
+        losses, auc, tables, _ = results[name]
+        assert losses == pytest.approx(ref_losses, abs=1e-5), name
+        assert auc == pytest.approx(ref_auc, abs=1e-5), name
+        for t, r in zip(tables, ref_tables, strict=True):
+            torch.testing.assert_close(t, r, atol=1e-5, rtol=1e-4, msg=f"{name}: tables differ")
+    assert ref_losses[-1] < ref_losses[0]
 
 
 def test_rowwise_adagrad_sharded_matches(tiny_dataset: Path, tmp_path: Path) -> None:
