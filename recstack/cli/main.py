@@ -4,11 +4,13 @@ analyze-a2a | exfm | export | serve``."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import NoReturn
 
 from recstack import __version__
 from recstack.cli import compression, data, evaluate, exfm, plan, serving, train
-from recstack.errors import RecstackError
+from recstack.errors import PeerFailure, RecstackError
 
 COMMAND_GROUPS = (train, evaluate, data, plan, compression, exfm, serving)  # each adds its commands, in --help order
 
@@ -26,13 +28,26 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except RecstackError as e:  # bad input (2) or a failed peer (3): a message, not a traceback
+    except PeerFailure as e:  # a dead or stopped peer (3)
+        print(f"recstack {args.command}: error: {e}", file=sys.stderr)
+        _leave_without_teardown(e.exit_code)
+    except RecstackError as e:  # bad input (2): a message, not a traceback
         print(f"recstack {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"recstack {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _leave_without_teardown(code: int) -> NoReturn:
+    """Exit now, skipping the interpreter's teardown. After a peer died, the process group still holds the
+    collective that timed out; destroying it (at exit, or by hand) either waits on the dead peer or makes gloo call
+    std::terminate (SIGABRT, exit -6 instead of ``code``). What must outlive the process is already on disk: the
+    metrics log is flushed per line and checkpoints are written whole or not at all."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
