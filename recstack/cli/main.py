@@ -28,11 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except PeerFailure as e:  # a dead or stopped peer (3)
+    except RecstackError as e:  # bad input (2) or a failed peer (3): a message, not a traceback
         print(f"recstack {args.command}: error: {e}", file=sys.stderr)
-        _leave_without_teardown(e.exit_code)
-    except RecstackError as e:  # bad input (2): a message, not a traceback
-        print(f"recstack {args.command}: error: {e}", file=sys.stderr)
+        if isinstance(e, PeerFailure):
+            _leave_without_teardown(e.exit_code)
         return e.exit_code
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"recstack {args.command}: error: {e}", file=sys.stderr)
