@@ -337,9 +337,18 @@ def test_override_sets_one_key_of_a_table() -> None:
 
 
 def test_configs_in_repo_load() -> None:
-    for path in REPO.joinpath("configs").glob("*.toml"):
+    recipes = sorted(REPO.joinpath("configs", "recipes").glob("*.toml"))
+    assert [p.name for p in recipes] == ["categorical.toml", "criteo.toml", "ratings_history.toml"]
+    for path in [*REPO.joinpath("configs").glob("*.toml"), *recipes]:
         if not path.name.startswith("exfm_"):  # `recstack exfm run` configs have their own schema
             load_config(path)
+
+
+def test_criteo_recipe_is_the_reference_kaggle_setup() -> None:
+    """configs/recipes/criteo.toml and configs/criteo_kaggle.toml differ only in where the data is."""
+    recipe, kaggle = load_config(REPO / "configs/recipes/criteo.toml"), load_config(REPO / "configs/criteo_kaggle.toml")
+    assert recipe.model == kaggle.model and recipe.optim == kaggle.optim
+    assert recipe.train.batch_size == kaggle.train.batch_size and recipe.train.epochs == kaggle.train.epochs
 
 
 def _records(path: Path) -> list[tuple]:
