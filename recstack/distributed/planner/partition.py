@@ -490,7 +490,9 @@ def _plan_tiered(tables: Sequence[TableSpec], splits: list[list[tuple[str, int]]
             return _plan_of(tables, options, best, model, grow=True)
         fraction /= 4
     raise PlanError(f"could not fit the tables in device memory, host memory and SSD: they need at least "
-                    f"{format_bytes(total / W, decimal=True)} per rank on average; each rank has {have}")
+                    f"{format_bytes(total / W, decimal=True)} per rank on average; each rank has {have}, and a "
+                    f"shard's device cache holds at least twice the rows it looks up per step (raise --hbm or "
+                    f"lower the batch size)")
 
 
 def _search(options: list[list[Option]], topology: Topology, time_limit_s: float, restarts: int,
