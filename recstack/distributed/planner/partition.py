@@ -25,6 +25,9 @@
    meets the lower bound (mean of the cheapest options; each table's smallest slowest shard). The best few
    distinct plans then also get step (c) and the best wins. If no greedy start fits in memory, the search
    starts from each table's smallest-footprint option.
+6. Storage tiers (``tiers=True``): if the tables do not fit in device memory, the same search runs over
+   host-cached and ssd-cached options (``tiers.py``), each rank holding device memory, host memory and SSD
+   (``Topology.budgets``); every placement checks all three.
 """
 
 from __future__ import annotations
@@ -464,8 +467,13 @@ def _plan_tiered(tables: Sequence[TableSpec], splits: list[list[tuple[str, int]]
     topology = model.topology
     W, budgets = topology.world_size, topology.budgets()
     kinds = [tier for tier, b in (("host-cached", budgets.host), ("ssd-cached", budgets.ssd)) if b]
-    total = sum(min(int(model.estimate(t, s, k).hbm.sum()) for s, k in sp) for t, sp in zip(tables, splits,
-                                                                                           strict=True))
+    deadline = time.perf_counter() + time_limit_s
+    footprint: dict[tuple, int] = {}  # least device bytes of each table shape
+    for t, sp in zip(tables, splits, strict=True):
+        size = (t.rows, t.dim, tuple(sp))
+        if size not in footprint:
+            footprint[size] = min(int(model.estimate(t, s, k).hbm.sum()) for s, k in sp)
+    total = sum(footprint[(t.rows, t.dim, tuple(sp))] for t, sp in zip(tables, splits, strict=True))
     per_rank = sum(b or 0 for b in (budgets.device, budgets.host, budgets.ssd))
     have = ", ".join(f"{name} {format_bytes(b or 0, decimal=True)}" for name, b in
                      (("device", budgets.device), ("host", budgets.host), ("SSD", budgets.ssd)))
@@ -474,7 +482,6 @@ def _plan_tiered(tables: Sequence[TableSpec], splits: list[list[tuple[str, int]]
                         f"{format_bytes(-(-total // W), decimal=True)} per rank, but each of the {W} ranks has {have} "
                         f"(host memory and SSD per host, split between its ranks: raise --hbm, --ddr or --ssd)")
     fraction = min(1.0, 0.9 * W * topology.hbm_bytes / total)
-    deadline = time.perf_counter() + time_limit_s
     while fraction * max(t.rows for t in tables) >= 1:
         options: list[list[Option]] = []
         same_shape: dict[tuple, list[Option]] = {}
