@@ -76,12 +76,13 @@ def parse_topology(text: str) -> tuple[int, int]:
 
 
 def load_table_file(path: str | Path, dim: int | None = None, pooling: float | None = None) -> list[TableSpec]:
-    """A JSON list of {"name", "rows", "dim", "pooling", "access_counts"} objects ("dim" may come from
-    ``dim``, "pooling" defaults to ``pooling`` or 1). Errors name the file, line and field."""
+    """A JSON list of {"name", "rows", "dim", "pooling", "access_counts", "zipf"} objects ("dim" may come from
+    ``dim``, "pooling" defaults to ``pooling`` or 1, "zipf" (the ids' Zipf exponent) to --zipf). Errors name
+    the file, line and field."""
     path = Path(path)
     text = path.read_text()
     data = parse_json(text, str(path), list)
-    known = {"name", "rows", "dim", "pooling", "access_counts"}
+    known = {"name", "rows", "dim", "pooling", "access_counts", "zipf"}
     specs = []
     for i, (item, line) in enumerate(zip(data, _element_lines(text), strict=True)):
         where = f"{path}, line {line}, table {i}"
@@ -99,7 +100,7 @@ def load_table_file(path: str | Path, dim: int | None = None, pooling: float | N
         try:
             specs.append(TableSpec(item["name"], item["rows"], dim if dim is not None else item["dim"],
                                    item.get("pooling", pooling if pooling is not None else 1.0),
-                                   tuple(counts) if isinstance(counts, list) else counts))
+                                   tuple(counts) if isinstance(counts, list) else counts, item.get("zipf")))
         except PlanError as e:
             raise PlanError(f"{where}: {e}") from e
     return specs

@@ -274,3 +274,22 @@ def test_cli_zipf_from_prepared_data(tmp_path) -> None:
     fitted, flat = (float(re.search(r"host-cached\s+\d+\s+\S+\s+[\d.]+ / ([\d.]+) /", x.stdout).group(1))
                     for x in (r, low))
     assert fitted > flat
+
+
+def test_table_file_zipf_sets_each_tables_hit_rate(tmp_path) -> None:
+    from recstack.cli.plan import load_table_file
+
+    f = tmp_path / "tables.json"
+    f.write_text('[{"name": "hot", "rows": 1000000, "dim": 16, "zipf": 1.3},\n'
+                 ' {"name": "flat", "rows": 1000000, "dim": 16, "zipf": 0.3}]')
+    specs = load_table_file(f)
+    assert [t.zipf for t in specs] == [1.3, 0.3]
+    plan = plan_sharding(specs, Topology(1, 2, hbm_bytes=20 * 10**6, ddr_bytes=GB), 2048, time_limit_s=1,
+                         tiers=True)
+    model = CostModel(plan.topology, 2048)
+    hot, flat = (model.estimate(t, plan.table(t.name).sharding, len(plan.table(t.name).ranks),
+                                plan.table(t.name).shard_storage()).hit_rate for t in specs)
+    assert np.nanmin(hot) > np.nanmax(flat)
+    f.write_text('[{"name": "x", "rows": 10, "dim": 4, "zipf": -1}]')
+    with pytest.raises(PlanError, match=r"line 1, table 0: table 'x': field 'zipf' must be a non-negative number"):
+        load_table_file(f)

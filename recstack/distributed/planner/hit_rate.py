@@ -24,7 +24,7 @@ approximation in batches gives the same residency, 1 - exp(-N p_r T) with tau = 
 
 A row shard (``fraction`` q of the table's rows, the ranks scattered over the ids so every shard sees every
 popularity level) sees the same law thinned to q of each bin; its cache of C rows behaves like a cache of C / q
-rows over the whole table.
+rows over the whole table. (A table spec's ``access_counts`` histogram does not enter the hit rates.)
 """
 
 from __future__ import annotations

@@ -144,8 +144,9 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
         lines += _table(("rank", "node", "shards", "device", "host", "SSD", "compute", "cache misses", "comm",
                          "cost"), tier_rows, set(range(10)))
         dev, hst, sd = (format_bytes(b or 0, decimal=True) for b in (budgets.device, budgets.host, budgets.ssd))
+        pcie, ssd_bw = (format_bytes(b, decimal=True) for b in (topo.pcie_bw, topo.ssd_bw))
         lines.append(f"budgets per rank: device {dev}, host {hst}, SSD {sd} (host memory and SSD per host / "
-                     f"{topo.devices_per_node} ranks)")
+                     f"{topo.devices_per_node} ranks); assumed PCIe {pcie}/s, SSD {ssd_bw}/s")
     lines += ["", f"predicted step cost: max {format_seconds(cost['max'])} (rank {int(load.argmax())}), "
                   f"mean {format_seconds(cost['mean'])}, imbalance {cost['imbalance']:.3f} (max / mean)"]
     return "\n".join(lines)
