@@ -213,6 +213,10 @@ def test_bad_budgets_are_errors() -> None:
         Topology(ssd_bytes=-1)
     with pytest.raises(PlanError, match="topology: pcie_bw must be a positive number, got 0"):
         Topology(pcie_bw=0)
+    with pytest.raises(PlanError, match="topology: ddr_bytes must be a non-negative number, got -5"):
+        Topology(ddr_bytes=-5)
+    ssd_only = plan_sharding(TABLES, _topo(ddr=0, ssd=8 * GB), 512, time_limit_s=1, tiers=True)
+    assert {st.tier for e in ssd_only.tables for st in e.storage.values()} == {"ssd-cached"}
     with pytest.raises(StorageError, match="host budget must be a non-negative number of bytes"):
         TierBudgets(host=-5)
     with pytest.raises(PlanError, match=r"each of the 4 ranks has device 500.0 MB, host 1.0 GB, SSD 0 B"):

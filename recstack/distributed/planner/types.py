@@ -80,9 +80,10 @@ class Topology:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            optional = f.name in ("ddr_bytes", "ssd_bytes")  # 0: no host memory / SSD for tables
             if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                    value >= 0 if f.name == "ssd_bytes" else value > 0) or value == math.inf:
-                kind = "non-negative" if f.name == "ssd_bytes" else "positive"
+                    value >= 0 if optional else value > 0) or value == math.inf:
+                kind = "non-negative" if optional else "positive"
                 raise PlanError(f"topology: {f.name} must be a {kind} number, got {value!r}")
         for name in ("nodes", "devices_per_node", "hbm_bytes", "ddr_bytes", "ssd_bytes"):
             if int(getattr(self, name)) != getattr(self, name):
