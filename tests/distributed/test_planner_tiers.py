@@ -206,6 +206,10 @@ def test_overcommitted_tiers_name_the_table_rank_and_budget(tmp_path) -> None:
         placements.check(SIZES, TierBudgets(device=GB, host=1000, ssd=0))
     with pytest.raises(PlanError, match=r"plan table 0 \('C1'\): rank 0 holds 18.0 KB .* in device memory"):
         placements.check(SIZES, TierBudgets(device=10_000, host=GB))
+    # SGD keeps no state per row: 500 rows x 8 x 4 = 16,000 bytes fit a 17 KB host budget that Adagrad's do not
+    placements.check(SIZES, TierBudgets(device=GB, host=17_000), state_bytes=0)
+    with pytest.raises(PlanError, match=r"rank 1 holds 18.0 KB"):
+        placements.check(SIZES, TierBudgets(device=GB, host=17_000))
 
 
 def test_bad_budgets_are_errors() -> None:

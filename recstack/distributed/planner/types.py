@@ -78,14 +78,15 @@ class Topology:
     ssd_bw: float = 2e9
 
     def __post_init__(self) -> None:
+        whole = ("nodes", "devices_per_node", "hbm_bytes", "ddr_bytes", "ssd_bytes")
         for f in fields(self):
             value = getattr(self, f.name)
             optional = f.name in ("ddr_bytes", "ssd_bytes")  # 0: no host memory / SSD for tables
             if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                    value >= 0 if optional else value > 0) or value == math.inf:
+                    value >= 0 if optional else value > 0) or (value == math.inf and f.name in whole):
                 kind = "non-negative" if optional else "positive"
                 raise PlanError(f"topology: {f.name} must be a {kind} number, got {value!r}")
-        for name in ("nodes", "devices_per_node", "hbm_bytes", "ddr_bytes", "ssd_bytes"):
+        for name in whole:
             if int(getattr(self, name)) != getattr(self, name):
                 raise PlanError(f"topology: {name} must be an integer, got {getattr(self, name)!r}")
             object.__setattr__(self, name, int(getattr(self, name)))
@@ -384,11 +385,14 @@ class ShardingPlan:
         state = OPTIMIZER_STATE_BYTES.get(config.get("optimizer", "rowwise_adagrad"), 4)
         return (w if _is_int(w) and w > 0 else 4), state
 
-    def tier_usage(self, tables: Sequence[TableSpec] | None = None) -> list[tuple[str, int, str, int]]:
+    def tier_usage(self, tables: Sequence[TableSpec] | None = None,
+                   state_bytes: int | None = None) -> list[tuple[str, int, str, int]]:
         """(table, rank, budget, bytes) of every shard, in plan order (``storage.shard_bytes``); tables whose
-        size neither the plan nor ``tables`` gives are left out. Call after :meth:`validate`'s entry checks."""
+        size neither the plan nor ``tables`` gives are left out. ``state_bytes``: optimizer state per row (the
+        job's optimizer; default :meth:`element_bytes`'). Call after :meth:`validate`'s entry checks."""
         specs = {t.name: t for t in tables} if tables is not None else {}
         w, state = self.element_bytes()
+        state = state if state_bytes is None else state_bytes
         out = []
         for i, t in enumerate(self.tables):
             spec = specs.get(t.name)
@@ -403,11 +407,11 @@ class ShardingPlan:
         return out
 
     def check_tiers(self, budgets: TierBudgets, tables: Sequence[TableSpec] | None = None,
-                    explain: dict[str, str] | None = None) -> None:
+                    explain: dict[str, str] | None = None, state_bytes: int | None = None) -> None:
         """Raise :class:`PlanError` naming the table, the rank and the budget where the shards on a rank
         need more device memory, host memory or SSD than ``budgets`` give each rank."""
         try:
-            check_budgets(self.tier_usage(tables), budgets, self.world_size, explain)
+            check_budgets(self.tier_usage(tables, state_bytes), budgets, self.world_size, explain)
         except StorageError as e:
             raise PlanError(f"field 'storage': {e}") from e
 
@@ -537,13 +541,14 @@ class PlanPlacements(list):
         super().__init__((plan.table(n).sharding, list(plan.table(n).ranks)) for n in names)
         self.storage: list[list[ShardStorage | None]] = [plan.table(n).shard_storage() for n in names]
 
-    def check(self, tables: Sequence[TableSpec], budgets: TierBudgets | None = None) -> None:
+    def check(self, tables: Sequence[TableSpec], budgets: TierBudgets | None = None,
+              state_bytes: int | None = None) -> None:
         """Raise :class:`PlanError` (naming the plan file, the table and the field) unless the plan fits
         tables of these sizes: rows and dim where the plan gives them, shard counts that split them, caches
         below their shards' rows and, with ``budgets`` (each rank's, e.g. from ``[memory]``), every rank's
         shards within its device, host and SSD budgets (``tables`` sizes them: the optimizer state is taken
-        from the plan's cost config, else row-wise Adagrad)."""
+        from the plan's cost config, else row-wise Adagrad, unless ``state_bytes`` gives the job's per row)."""
         with _prefixed(self.source):
             self.plan.validate(self.world_size, tables, estimates=False)
             if budgets is not None:
-                self.plan.check_tiers(budgets, tables)
+                self.plan.check_tiers(budgets, tables, state_bytes=state_bytes)
