@@ -132,10 +132,11 @@ class Trainer:
         self.table_sizes = capped_table_sizes(self.train_ds.table_sizes, cfg.model.max_table_size)
         caps = self.table_sizes if cfg.model.max_table_size > 0 else None
         self.train_loader = BatchLoader(self.train_ds, t.batch_size, train_range, shuffle=t.shuffle, seed=t.seed,
-                                        table_caps=caps, rank=self.rank, world_size=self.world)
+                                        drop_last=t.drop_last, table_caps=caps, rank=self.rank, world_size=self.world,
+                                        shuffle_window=t.shuffle_window)
         if len(self.train_loader) == 0:
-            raise ValueError(f"{self.train_ds.path}: {train_range[1] - train_range[0]} training rows give no full "
-                             f"batch of {t.batch_size}")
+            raise ValueError(f"{self.train_ds.path}: {train_range[1] - train_range[0]} training rows give no "
+                             f"{'full ' if t.drop_last else ''}batch of {t.batch_size}")
         self.eval_loader = BatchLoader(self.eval_ds, t.eval_batch_size, eval_range, drop_last=False, table_caps=caps,
                                        extras=("probability",), rank=self.rank, world_size=self.world)
 
@@ -175,9 +176,7 @@ class Trainer:
             print("resume: no checkpoint found, starting from scratch")
             return
         if not self.cfg.train.max_steps:  # train.epochs: the epochs left, in batches of the size used now
-            pos, per_epoch = self.train_loader.position, len(self.train_loader)
-            left = self.cfg.train.epochs * per_epoch - (pos.epoch * per_epoch + pos.batch)
-            self.total_steps = self.step + max(0, left)
+            self.total_steps = self.step + self.train_loader.batches_until(self.cfg.train.epochs)
         print(f"resume: continuing from {state['path']} (step {self.step})")
         m = self.monitor
         if self.lr is not None:
@@ -199,7 +198,13 @@ class Trainer:
         return optimizer_step(self._loss, self.optimizer, batch, self.device)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
-        return F.binary_cross_entropy_with_logits(self.net(batch), batch.labels)
+        """The mean BCE over the global batch's rows. Every rank's loss is averaged over the ranks (DDP for the
+        dense part, 1/W in the tables' backward), so a rank whose share of a short global batch of G rows differs
+        from G / W (or is empty) weighs its sum by W / G instead of taking its own mean."""
+        logits, g = self.net(batch), batch.global_rows
+        if g is None or g == batch.batch_size * self.world:
+            return F.binary_cross_entropy_with_logits(logits, batch.labels)
+        return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * (self.world / g)
 
     def train(self) -> dict[str, Any]:
         """-> the summary (``summary.json``). Under torchrun a failed collective is a PeerFailure."""
@@ -238,7 +243,7 @@ class Trainer:
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"step {p.step + 1}: loss is {loss}; lower the learning rates")
                 p.step += 1
-                p.samples += batch.batch_size * self.world  # global samples
+                p.samples += batch.global_rows or batch.batch_size * self.world  # global samples
                 window_loss += loss
                 window_n += 1
                 bar.update(1)
