@@ -32,7 +32,7 @@ from recstack.distributed import agreement, parallelize
 from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config
-from recstack.errors import PeerFailure
+from recstack.errors import ConfigError, PeerFailure
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.checkpointer import Checkpointer
@@ -137,6 +137,11 @@ class Trainer:
         if len(self.train_loader) == 0:
             raise ValueError(f"{self.train_ds.path}: {train_range[1] - train_range[0]} training rows give no "
                              f"{'full ' if t.drop_last else ''}batch of {t.batch_size}")
+        rows, gb = train_range[1] - train_range[0], self.train_loader.global_batch_size
+        if cfg.model.mlp_norm == "batch" and not t.drop_last and rows % gb == 1:  # batch norm needs 2 rows a batch
+            raise ConfigError(f"model.mlp_norm = \"batch\": the {rows} training rows end each epoch with a batch of "
+                              f"one row (global batch {gb}), which batch normalisation cannot train on; set "
+                              "train.drop_last = true or another train.batch_size")
         self.eval_loader = BatchLoader(self.eval_ds, t.eval_batch_size, eval_range, drop_last=False, table_caps=caps,
                                        extras=("probability",), rank=self.rank, world_size=self.world)
 
