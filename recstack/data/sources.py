@@ -15,6 +15,7 @@ from pathlib import Path
 
 from recstack.data.config import DataConfig
 from recstack.data.format import PreparedDataset, layout_difference
+from recstack.data.integrity import check_values
 
 
 def prepare_data(
@@ -23,7 +24,8 @@ def prepare_data(
 ) -> tuple[PreparedDataset, PreparedDataset, tuple[int, int]]:
     """-> (train set, eval set, eval row range). Generates the synthetic set first when ``[data.synth]``, by
     calling ``coordinate(generation, what it does)`` (default: run it here). An eval set must have the training
-    set's layout (features, tables and their sizes); the eval range may be empty (no evaluation)."""
+    set's layout (features, tables and their sizes); the eval range may be empty (no evaluation). Every set's
+    values are scanned once (``integrity.check_values``), through ``coordinate`` as well: one rank reads them."""
     train_path = d.train
     if d.synth:
         if not train_path:
@@ -38,8 +40,11 @@ def prepare_data(
     if not train_path:
         raise ValueError("data.train: no training data given (a prepared directory, or a [data.synth] table)")
     train = PreparedDataset(train_path)
+    run = coordinate or (lambda work, what: work())
+    run(functools.partial(check_values, train), f"check the values of {train.path}")
     if d.eval:
         ev = PreparedDataset(d.eval)
+        run(functools.partial(check_values, ev), f"check the values of {ev.path}")
         diff = layout_difference(train, ev)
         if diff is not None:
             raise ValueError(

@@ -10,23 +10,20 @@ the first differing fact and each rank's value.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from recstack.data.format import PreparedDataset
+from recstack.data.integrity import fingerprint
 from recstack.distributed.config import DistConfig
 from recstack.embedding.collection import TableConfig
 from recstack.errors import ConfigError, PeerFailure
 
 _MISSING = "<not set>"
-_ARRAY_PREFIX_BYTES = 1 << 16  # of each array file in the data fingerprint: catches other rows, reads little
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -39,18 +36,6 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
-
-
-def data_fingerprint(path: str | Path, rows: int) -> str:
-    """A prepared data set's identity: its row count and a SHA-256 of its ``meta.json`` and of the first 64 KiB
-    of each array file it lists, so that the same path holding other data on another node differs."""
-    path = Path(path)
-    meta = (path / "meta.json").read_bytes()
-    h = hashlib.sha256(meta)
-    for spec in json.loads(meta)["arrays"].values():  # (PreparedDataset has checked the layout)
-        with open(path / spec["file"], "rb") as f:
-            h.update(f.read(_ARRAY_PREFIX_BYTES))
-    return f"rows={rows}, sha256={h.hexdigest()[:16]}"
 
 
 def _show(value: Any) -> str:
@@ -120,7 +105,7 @@ def check_placements_and_data(dist_cfg: DistConfig, tables: list[TableConfig],
         f"the resolved placements (dist.plan={dist_cfg.plan!r}) of table {table.name}": f"{kind} on ranks {ranks}"
         for table, (kind, ranks) in zip(tables, placements, strict=True)}
     for key, ds in data.items():
-        facts[f"the data ({key}={str(ds.path)!r})"] = data_fingerprint(ds.path, len(ds))
+        facts[f"the data ({key}={str(ds.path)!r})"] = fingerprint(ds)
     check_agreement(facts, "sharding plan and data", dist_cfg.timeout_s)
 
 

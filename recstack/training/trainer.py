@@ -11,7 +11,6 @@ which stops the run, reduces the learning rates and names the best checkpoint (k
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ from recstack.distributed import agreement, parallelize
 from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config
-from recstack.errors import PeerFailure
+from recstack.errors import DivergenceError, PeerFailure
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.checkpointer import Checkpointer
@@ -46,6 +45,7 @@ from recstack.training.checkpoint.state import (
     RunInfo,
     Stateful,
 )
+from recstack.training.divergence import DivergenceGuard
 from recstack.training.early_stopping import Monitor
 from recstack.training.evaluate import evaluate_loader, oracle_auc, select_metrics, summarize, write_summary
 from recstack.training.logger import MetricsLogger
@@ -94,6 +94,7 @@ class Trainer:
         self.lr = LRScaler(schedule, self.optimizer, self.model) if active else None
         self.total_steps = t.max_steps or t.epochs * len(self.train_loader)
         self.progress = Progress()
+        self.guard = DivergenceGuard(t.divergence_factor, t.divergence_window, self.world, self.device)
         self._reliability: dict[str, list[Any]] | None = None  # of the latest evaluation
         # The monitor's state is in the checkpoint only when it is used: other runs' checkpoints stay as they were.
         selection: list[Stateful] = [self.monitor] if self.monitor.active else []
@@ -103,7 +104,7 @@ class Trainer:
             replicated=[ModelState(self.model, self.world > 1, self.device), Keyed("dense_optimizer", self.optimizer),
                         LoaderState(self.train_loader, t.shuffle, self.is_main), self.progress, RNGState(),
                         RunInfo(cfg.to_dict(), self.model.num_dense, self.table_sizes, self.train_ds.table_names,
-                                self.world), *selection],
+                                self.world), self.guard, *selection],
             rank_local=[CompressionState(self.compression, self.device)],
         )
         if resume:
@@ -192,7 +193,20 @@ class Trainer:
                       file=sys.stderr)
 
     def save(self) -> Path | None:
+        """A checkpoint of this step, unless a weight is not finite (then a DivergenceError). Collective."""
+        if self.checkpointer.directory is not None:
+            why = self.guard.check_weights(self.model)
+            if why is not None:
+                self._diverged(f"step {self.step}: {why}", self.step)
         return self.checkpointer.save(self.step)
+
+    def _diverged(self, why: str, weights_step: int) -> None:
+        """Stop the run: the weights after ``weights_step`` steps diverged, so a checkpoint of them is set aside
+        (``<name>.diverged``) and the error names the checkpoint a resume would take. Collective under torchrun."""
+        aside = self.checkpointer.set_aside(weights_step, ".diverged", self.is_main)
+        note = f"; its checkpoint was set aside as {aside}" if aside is not None else ""
+        raise DivergenceError(f"training diverged at {why}{note}. Lower the learning rates (optim.dense_lr, "
+                              "optim.sparse_lr) or check the data; train.divergence_factor=0 turns the level check off")
 
     # -- loop ------------------------------------------------------------------------------------------
     def train_step(self, batch: Batch) -> float:
@@ -235,8 +249,9 @@ class Trainer:
                 window_wait += started - tick  # waiting for the loader
                 window_step += now - started
                 tick = now
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"step {p.step + 1}: loss is {loss}; lower the learning rates")
+                why = self.guard.check_loss(loss)  # collective under torchrun: every rank stops alike
+                if why is not None:
+                    self._diverged(f"step {p.step + 1}: {why}", p.step)  # the weights this loss was computed with
                 p.step += 1
                 p.samples += batch.batch_size * self.world  # global samples
                 window_loss += loss
@@ -257,6 +272,7 @@ class Trainer:
                     window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, now, 0.0, 0.0
                 if t.eval_every and self.has_eval and p.step % t.eval_every == 0 and p.step < self.total_steps:
                     result = self.evaluate()  # on every rank the same (gathered) figures, so all stop together
+                    self._check_eval(result)
                     self.logger.log(p.step, "eval", result)
                     if self._reached_target(result):
                         reached = result
@@ -279,6 +295,7 @@ class Trainer:
             final = reached
         elif self.has_eval:
             final = self.evaluate()
+            self._check_eval(final)  # before the final checkpoint
             new = not any(r["step"] == p.step and r["kind"] == "eval" for r in self.logger.kept)
             if new:
                 self.logger.log(p.step, "eval", final)  # (a finished run resumed has it already)
@@ -304,6 +321,11 @@ class Trainer:
         metrics = evaluate_loader(self.net, self.eval_loader, self.device, self.model.embeddings, self.world)
         self._reliability = metrics.reliability()
         return metrics.compute()
+
+    def _check_eval(self, result: dict[str, float]) -> None:
+        why = self.guard.check_eval(result.get("logloss"))
+        if why is not None:
+            self._diverged(f"the evaluation of step {self.step}: {why}", self.step)
 
     def _select(self, result: dict[str, float], final: bool = False) -> bool:
         """Give the evaluation ``result`` of this step to the monitor: a new best is saved as a checkpoint and
