@@ -87,12 +87,15 @@ def check_agreement(facts: dict[str, Any], what: str, timeout_s: float) -> None:
                           "command on the same files")
 
 
-def check_job(config: dict[str, Any], dist_cfg: DistConfig, world: int, resume: bool) -> None:
-    """Collective, first of the run: every rank has the same config (every field), world size, ranks per node
-    and ``--resume``; else every rank raises the same ConfigError naming the first difference."""
+def check_job(config: dict[str, Any], dist_cfg: DistConfig, world: int, resume: bool,
+              resume_on_new_data: bool = False) -> None:
+    """Collective, first of the run: every rank has the same config (every field), world size, ranks per node,
+    ``--resume`` and ``--resume-on-new-data``; else every rank raises the same ConfigError naming the first
+    difference."""
     rpn = dist_cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     check_agreement({**flatten(config), "world size": world,
-                     "ranks per node (dist.ranks_per_node or LOCAL_WORLD_SIZE)": rpn, "--resume": resume},
+                     "ranks per node (dist.ranks_per_node or LOCAL_WORLD_SIZE)": rpn, "--resume": resume,
+                     "--resume-on-new-data": resume_on_new_data},
                     "config and world layout", dist_cfg.timeout_s)
 
 

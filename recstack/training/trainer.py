@@ -34,7 +34,8 @@ from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.errors import DivergenceError, PeerFailure
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
-from recstack.training.checkpoint.checkpointer import Checkpointer
+from recstack.training.checkpoint.checkpointer import Checkpointer, any_checkpoint
+from recstack.training.checkpoint.data_record import NEW_DATA_FLAG, DataRecord, data_record
 from recstack.training.checkpoint.resume import claim_output_dir
 from recstack.training.checkpoint.state import (
     CompressionState,
@@ -55,10 +56,13 @@ from recstack.training.step import Progress, build_dense_optimizer, optimizer_st
 
 class Trainer:
     def __init__(self, cfg: Config, output_dir: str | Path | None = None, resume: bool = False,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, resume_on_new_data: bool = False) -> None:
         """``resume``: continue from the newest checkpoint in ``output_dir``; otherwise the run starts at step 0,
-        and an earlier run's checkpoints and metrics there are an error unless ``overwrite`` removes them."""
+        and an earlier run's checkpoints and metrics there are an error unless ``overwrite`` removes them.
+        ``resume_on_new_data`` (implies ``resume``): continue even on other data than the checkpoint trained on
+        (``checkpoint/data_record.py``)."""
         self.cfg, t = cfg, cfg.train
+        resume = resume or resume_on_new_data
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         seed_everything(t.seed)
@@ -70,12 +74,12 @@ class Trainer:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             resume = True  # torchrun --max-restarts started us again after a failure: continue, do not redo
         if self.world > 1:  # before any collective of the run: the same job on every rank, or an error
-            agreement.check_job(cfg.to_dict(), cfg.dist, self.world, resume)
+            agreement.check_job(cfg.to_dict(), cfg.dist, self.world, resume, resume_on_new_data)
         if self.output_dir and not resume:
             claim_output_dir(self.output_dir, overwrite, self.is_main)
         if self.output_dir and self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._data()
+        self._data(resume and not resume_on_new_data)
         # Sharded runs build the tables on "meta" (shapes only); _parallelize builds this rank's shards.
         self.model: DLRM = build_model(
             cfg.model, sparse_optimizer_config(cfg.optim), len(self.train_ds.dense_features), self.table_sizes,
@@ -101,7 +105,8 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints" if self.output_dir else None, self.model.embeddings, self.world,
             self.device, keep=t.keep_checkpoints,
-            replicated=[ModelState(self.model, self.world > 1, self.device), Keyed("dense_optimizer", self.optimizer),
+            replicated=[DataRecord(self.data_record, resume_on_new_data, self.is_main),
+                        ModelState(self.model, self.world > 1, self.device), Keyed("dense_optimizer", self.optimizer),
                         LoaderState(self.train_loader, t.shuffle, self.is_main), self.progress, RNGState(),
                         RunInfo(cfg.to_dict(), self.model.num_dense, self.table_sizes, self.train_ds.table_names,
                                 self.world), self.guard, *selection],
@@ -115,11 +120,18 @@ class Trainer:
         self.logger = MetricsLogger(self.output_dir if self.is_main else None,
                                     resume_step=self.step if resume else None)
 
-    def _data(self) -> None:
-        """The training and evaluation sets and their loaders (this rank's slice of every global batch)."""
+    def _data(self, keep_data: bool) -> None:
+        """The training and evaluation sets and their loaders (this rank's slice of every global batch).
+        ``keep_data``: resuming on the checkpoint's data, so a ``[data.synth]`` set there that checkpoints trained
+        on is not generated again with other options (a refused resume leaves the run directory as it was)."""
         cfg, t = self.cfg, self.cfg.train
+        keep = None
+        if keep_data and self.output_dir and any_checkpoint(self.output_dir / "checkpoints"):
+            keep = (f"the checkpoints in {self.output_dir / 'checkpoints'} trained on it, and --resume continues "
+                    f"only on the data its checkpoint trained on: restore the options, or pass {NEW_DATA_FLAG} to "
+                    "generate it again and continue on the new rows")
         self.train_ds, self.eval_ds, eval_range = prepare_data(
-            cfg.data, self.output_dir, t.progress, agreement.on_rank0 if self.world > 1 else None)
+            cfg.data, self.output_dir, t.progress, agreement.on_rank0 if self.world > 1 else None, keep)
         self.has_eval = eval_range[1] > eval_range[0]
         if not self.has_eval:
             why = (f"data.eval {self.eval_ds.path} has no rows" if self.eval_ds is not self.train_ds else
@@ -130,6 +142,7 @@ class Trainer:
                 print(f"no evaluation: {why}; training without it (summary.json gets no eval metrics)",
                       file=sys.stderr)
         train_range = (0, eval_range[0]) if self.eval_ds is self.train_ds else (0, len(self.train_ds))
+        self.data_record = data_record(cfg.data, self.train_ds, train_range)
         self.table_sizes = capped_table_sizes(self.train_ds.table_sizes, cfg.model.max_table_size)
         caps = self.table_sizes if cfg.model.max_table_size > 0 else None
         self.train_loader = BatchLoader(self.train_ds, t.batch_size, train_range, shuffle=t.shuffle, seed=t.seed,

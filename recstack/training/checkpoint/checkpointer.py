@@ -210,6 +210,11 @@ class Checkpointer:
                 state["model"][f"embeddings.{prefix}accumulator"] = acc.to(device)
 
 
+def any_checkpoint(ckpt_dir: Path) -> bool:
+    """Whether ``ckpt_dir`` holds a checkpoint of either kind (by name: nothing is read)."""
+    return bool(list_checkpoints(ckpt_dir) or list_sharded(ckpt_dir))
+
+
 def read_best(ckpt_dir: Path) -> dict[str, Any] | None:
     """``best.json`` of a checkpoints directory: {"step", "checkpoint", "metrics"}; None when there is none."""
     path = ckpt_dir / BEST_FILE
