@@ -61,8 +61,9 @@ class DivergenceGuard:
             return f"{what} is {loss}"
         level = self.level
         if self.factor > 0 and level is not None and loss > self.factor * level:
-            return (f"{what} {loss:.4g} is {loss / level:.3g} x its running level {level:.4g} (the mean of the last "
-                    f"{len(self.recent)} steps' losses, at least ln 2), above train.divergence_factor={self.factor:g}")
+            return (f"{what} {loss:.4g} is {loss / level:.3g} x its running level {level:.4g} (the mean loss of "
+                    f"the last {len(self.recent)} step(s), at least ln 2), above "
+                    f"train.divergence_factor={self.factor:g}")
         return None
 
     def check_weights(self, model: torch.nn.Module) -> str | None:

@@ -170,3 +170,19 @@ def test_recstack_train_refuses_bad_data_with_one_line(tmp_path: Path, damage: s
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert re.fullmatch(rf"recstack train: error: .*{want[1]}.*", lines[-1]), res.stderr[-2000:]
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()  # no step was trained
+
+
+def test_recstack_eval_and_predict_refuse_bad_rows_they_would_score(tmp_path: Path) -> None:
+    data = _write(tmp_path / "d")
+    run = tmp_path / "run"
+    res = run_cli(train_args(run, data, [*SMALL, "train.max_steps=2"]))
+    assert res.returncode == 0, res.stderr[-2000:]
+    bad = _write(tmp_path / "bad")
+    _poke(bad, "dense", (500, 1), float("inf"))
+    for args in (["eval", "--checkpoint", str(run), "--data", str(bad)],
+                 ["predict", "--checkpoint", str(run), "--data", str(bad), "--out", str(tmp_path / "s.csv")]):
+        res = run_cli(args)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert re.search(rf"error: {re.escape(str(bad / 'dense.bin'))}: row 500: dense feature 'I2': inf",
+                         res.stderr.splitlines()[-1]), res.stderr[-2000:]
+    assert not (tmp_path / "s.csv").exists()
