@@ -215,7 +215,8 @@ class Trainer:
 
     def _diverged(self, why: str, weights_step: int) -> None:
         """Stop the run: the weights after ``weights_step`` steps diverged, so a checkpoint of them is set aside
-        (``<name>.diverged``) and the error names the checkpoint a resume would take. Collective under torchrun."""
+        (``<name>.diverged``: --resume and eval take the newest before it) and the error names it. Collective under
+        torchrun."""
         aside = self.checkpointer.set_aside(weights_step, ".diverged", self.is_main)
         note = f"; its checkpoint was set aside as {aside}" if aside is not None else ""
         raise DivergenceError(f"training diverged at {why}{note}. Lower the learning rates (optim.dense_lr, "
