@@ -26,3 +26,8 @@ class PeerFailure(RecstackError, RuntimeError):
     """Another rank died or stopped answering; this rank gives up instead of hanging."""
 
     exit_code = 3
+
+
+class DivergenceError(RecstackError, FloatingPointError):
+    """Training diverged: a non-finite loss or weight, or a loss far above its running level
+    (``train.divergence_factor``). The run stops before it writes a checkpoint of the diverged values."""

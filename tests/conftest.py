@@ -214,3 +214,19 @@ def single_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     run = tmp_path_factory.mktemp("single") / "run"
     train_steps(tiny_dataset, run, CHECKPOINT_STEPS)
     return run
+
+
+def snapshot_files(directory: Path) -> dict[str, str]:
+    """Every file under ``directory`` -> a SHA-256 of its bytes: compare two to see that nothing was added, removed
+    or changed (what a refused command must leave)."""
+    import hashlib
+
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def rank_errors(stderr: str, command: str = "train") -> list[str]:
+    """The one-line errors ``recstack COMMAND`` printed on each rank, from the stderr of torchrun (the ranks
+    share it and may write at once, so two errors can share a line)."""
+    marker = f"recstack {command}: error: "
+    return [part.split("\n")[0] for part in stderr.split(marker)[1:]]

@@ -16,6 +16,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="override a config value, e.g. --set model.embedding_dim=32 (repeatable)")
     p.add_argument("--output-dir", help="metrics.jsonl, summary.json, TensorBoard, checkpoints, curves.png")
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+    p.add_argument("--resume-on-new-data", action="store_true",
+                   help="--resume even when the data differs from what the checkpoint trained on (another "
+                        "prepared set, other [data.synth] options: generated again); without it that is an error")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an --output-dir that holds an earlier run (its checkpoints and metrics "
                         "are removed)")
@@ -35,7 +38,8 @@ def run(args: argparse.Namespace) -> dict:
             raise ConfigError(f"--dump-steps {args.dump_steps!r}: expected comma-separated step numbers") from e
         args.overrides += [f"compression.dump_dir={json.dumps(args.dump_a2a)}", f"compression.dump_steps={steps}"]
     cfg = load_config(args.config, args.overrides)
-    trainer = Trainer(cfg, args.output_dir, resume=args.resume, overwrite=args.overwrite)
+    trainer = Trainer(cfg, args.output_dir, resume=args.resume, overwrite=args.overwrite,
+                      resume_on_new_data=args.resume_on_new_data)
     try:
         summary = trainer.train()
     finally:

@@ -39,14 +39,19 @@ import numpy as np
 import torch
 
 from recstack.data.batch import Batch, SparseFeatures
+from recstack.errors import RecstackError
 
 FORMAT_NAME = "recstack-prepared"
 FORMAT_VERSION = 1
 _CORE = {"labels": np.float32, "dense": np.float32, "sparse": np.int32}
+_JAGGED = {"values": np.int32, "offsets": np.int64, "weights": np.float32}  # <feature>.<part> arrays
+# meta.json keys every prepared set has, and the JSON type of each
+_REQUIRED = {"num_rows": int, "dense_features": list, "sparse_features": list, "arrays": dict}
 
 
-class PreparedFormatError(ValueError):
-    """A prepared directory is missing, incomplete or inconsistent."""
+class PreparedFormatError(RecstackError, ValueError):
+    """A prepared directory is missing, incomplete or inconsistent, or holds values training cannot use (the
+    message names the file, and the row where one is to blame)."""
 
 
 POOLINGS = ("sum", "mean")
@@ -101,6 +106,8 @@ def check_sparse_specs(specs: list[SparseFeatureSpec]) -> None:
     for s in specs:
         if s.name in seen:
             raise ValueError(f"sparse feature {s.name!r} appears twice")
+        if s.num_embeddings < 1:
+            raise ValueError(f"sparse feature {s.name!r}: table size {s.num_embeddings}, must be at least 1")
         seen.add(s.name)
         if s.pooling not in POOLINGS:
             raise ValueError(f"sparse feature {s.name!r}: pooling {s.pooling!r} is not one of {POOLINGS}")
@@ -310,12 +317,21 @@ class PreparedDataset:
             self.meta = json.loads(meta_file.read_text())
         except json.JSONDecodeError as e:
             raise PreparedFormatError(f"{meta_file}: invalid JSON ({e})") from e
+        if not isinstance(self.meta, dict):
+            raise PreparedFormatError(f"{meta_file}: holds a JSON {type(self.meta).__name__}, expected an object")
         if self.meta.get("format") != FORMAT_NAME or self.meta.get("version") != FORMAT_VERSION:
             raise PreparedFormatError(
                 f"{meta_file}: format {self.meta.get('format')!r} version {self.meta.get('version')!r}, "
                 f"expected {FORMAT_NAME!r} version {FORMAT_VERSION}"
             )
+        for key, kind in _REQUIRED.items():
+            if not isinstance(self.meta.get(key), kind) or isinstance(self.meta.get(key), bool):
+                have = "missing" if key not in self.meta else f"a {type(self.meta[key]).__name__}"
+                raise PreparedFormatError(f"{meta_file}: key {key!r} is {have}, expected a JSON "
+                                          f"{ {int: 'integer', list: 'list', dict: 'object'}[kind]}")
         self.num_rows = int(self.meta["num_rows"])
+        if self.num_rows < 0:
+            raise PreparedFormatError(f"{meta_file}: num_rows is {self.num_rows}, must be >= 0")
         self.dense_features: list[str] = list(self.meta["dense_features"])
         try:
             self.sparse_features = [SparseFeatureSpec.from_meta(s) for s in self.meta["sparse_features"]]
@@ -323,19 +339,12 @@ class PreparedDataset:
         except (KeyError, TypeError, ValueError) as e:
             raise PreparedFormatError(f"{meta_file}: bad sparse_features entry ({e})") from e
         self.info: dict[str, Any] = self.meta.get("info", {})
+        self._jagged_dtypes = {f"{s.name}.{part}": np.dtype(dt) for s in self.sparse_features if s.multi_hot
+                               for part, dt in _JAGGED.items()}
         self.arrays: dict[str, np.ndarray] = {}
         for name, spec in self.meta["arrays"].items():
-            f = self.path / spec["file"]
-            dt = np.dtype(spec["dtype"])
-            shape = tuple(spec["shape"])
-            want = int(np.prod(shape)) * dt.itemsize
-            size = f.stat().st_size if f.is_file() else -1
-            if size != want:
-                raise PreparedFormatError(f"{f}: {size} bytes on disk, meta.json implies {want}")
-            self.arrays[name] = (
-                np.memmap(f, dtype=dt, mode="r", shape=shape) if want else np.zeros(shape, dt)
-            )
-
+            self.arrays[name] = self._open_array(meta_file, name, spec)
+        self._check_shapes(meta_file)
         self._check_jagged()
         # Column of each single-valued feature in sparse.bin (None for multi-hot features).
         single = [i for i, s in enumerate(self.sparse_features) if not s.multi_hot]
@@ -346,6 +355,47 @@ class PreparedDataset:
         self._single_rows = np.array([self.sparse_features[i].num_embeddings for i in single], np.uint64)
         self.needs_weights = any(s.weighted or s.pooling == "mean" for s in self.sparse_features)
 
+    def _open_array(self, meta_file: Path, name: str, spec: Any) -> np.ndarray:
+        """One ``arrays`` entry of meta.json -> its memory map, after checking the entry, the dtype the format
+        fixes for it and the file's size."""
+        try:
+            f, dt, shape = self.path / spec["file"], np.dtype(spec["dtype"]), tuple(int(n) for n in spec["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise PreparedFormatError(f"{meta_file}: arrays entry {name!r} is malformed ({type(e).__name__}: "
+                                      f"{e}; expected file, dtype and shape)") from e
+        want_dt = _CORE.get(name) or self._jagged_dtypes.get(name)
+        if want_dt is not None and dt != np.dtype(want_dt):
+            # int32 ids read as float32 (the same size, so the file size cannot tell) would train on garbage
+            raise PreparedFormatError(f"{f}: meta.json gives dtype {dt.name} for {name!r}, the format stores "
+                                      f"{np.dtype(want_dt).name}")
+        if any(n < 0 for n in shape):
+            raise PreparedFormatError(f"{f}: negative shape {list(shape)} in meta.json")
+        want = int(np.prod(shape)) * dt.itemsize
+        size = f.stat().st_size if f.is_file() else -1
+        if size != want:
+            raise PreparedFormatError(f"{f}: {size} bytes on disk, meta.json implies {want}")
+        return np.memmap(f, dtype=dt, mode="r", shape=shape) if want else np.zeros(shape, dt)
+
+    def _check_shapes(self, meta_file: Path) -> None:
+        """Every per-row array has ``num_rows`` rows (a larger num_rows would read rows that are not there, a
+        smaller one would drop the file's last rows), dense and sparse one column per feature."""
+        n_single = sum(not s.multi_hot for s in self.sparse_features)
+        widths = {"labels": None, "dense": len(self.dense_features), "sparse": n_single}
+        for name, width in widths.items():
+            if name not in self.arrays:
+                raise PreparedFormatError(f"{meta_file}: no {name!r} array in arrays")
+            want = (self.num_rows,) if width is None else (self.num_rows, width)
+            if self.arrays[name].shape != want:
+                file = self.path / self.meta["arrays"][name]["file"]
+                raise PreparedFormatError(f"{file}: shape {list(self.arrays[name].shape)}, but num_rows "
+                                          f"{self.num_rows} and the features in meta.json need {list(want)}")
+        for name, arr in self.arrays.items():
+            if name in widths or name in self._jagged_dtypes:  # a multi-hot feature's arrays: _check_jagged
+                continue
+            if arr.ndim != 1 or len(arr) != self.num_rows:
+                raise PreparedFormatError(f"{self.path / self.meta['arrays'][name]['file']}: shape "
+                                          f"{list(arr.shape)}, expected [{self.num_rows}] (num_rows in meta.json)")
+
     def _check_jagged(self) -> None:
         for s in self.sparse_features:
             if not s.multi_hot:
@@ -355,6 +405,8 @@ class PreparedDataset:
             if missing:
                 raise PreparedFormatError(f"{self.path}: multi-hot feature {s.name!r} has no {missing} array")
             off, nnz = self.arrays[f"{s.name}.offsets"], len(self.arrays[f"{s.name}.values"])
+            if s.weighted and self.arrays[f"{s.name}.weights"].shape != (nnz,):
+                raise PreparedFormatError(f"{self.path}: {s.name}.weights must have {nnz} entries (one per value)")
             if off.shape != (self.num_rows + 1,) or int(off[0]) != 0 or int(off[-1]) != nnz:
                 raise PreparedFormatError(
                     f"{self.path}: {s.name}.offsets must have {self.num_rows + 1} entries from 0 to {nnz}"

@@ -10,23 +10,20 @@ the first differing fact and each rank's value.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from recstack.data.format import PreparedDataset
+from recstack.data.integrity import fingerprint
 from recstack.distributed.config import DistConfig
 from recstack.embedding.collection import TableConfig
 from recstack.errors import ConfigError, PeerFailure
 
 _MISSING = "<not set>"
-_ARRAY_PREFIX_BYTES = 1 << 16  # of each array file in the data fingerprint: catches other rows, reads little
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -39,18 +36,6 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
-
-
-def data_fingerprint(path: str | Path, rows: int) -> str:
-    """A prepared data set's identity: its row count and a SHA-256 of its ``meta.json`` and of the first 64 KiB
-    of each array file it lists, so that the same path holding other data on another node differs."""
-    path = Path(path)
-    meta = (path / "meta.json").read_bytes()
-    h = hashlib.sha256(meta)
-    for spec in json.loads(meta)["arrays"].values():  # (PreparedDataset has checked the layout)
-        with open(path / spec["file"], "rb") as f:
-            h.update(f.read(_ARRAY_PREFIX_BYTES))
-    return f"rows={rows}, sha256={h.hexdigest()[:16]}"
 
 
 def _show(value: Any) -> str:
@@ -102,12 +87,15 @@ def check_agreement(facts: dict[str, Any], what: str, timeout_s: float) -> None:
                           "command on the same files")
 
 
-def check_job(config: dict[str, Any], dist_cfg: DistConfig, world: int, resume: bool) -> None:
-    """Collective, first of the run: every rank has the same config (every field), world size, ranks per node
-    and ``--resume``; else every rank raises the same ConfigError naming the first difference."""
+def check_job(config: dict[str, Any], dist_cfg: DistConfig, world: int, resume: bool,
+              resume_on_new_data: bool = False) -> None:
+    """Collective, first of the run: every rank has the same config (every field), world size, ranks per node,
+    ``--resume`` and ``--resume-on-new-data``; else every rank raises the same ConfigError naming the first
+    difference."""
     rpn = dist_cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     check_agreement({**flatten(config), "world size": world,
-                     "ranks per node (dist.ranks_per_node or LOCAL_WORLD_SIZE)": rpn, "--resume": resume},
+                     "ranks per node (dist.ranks_per_node or LOCAL_WORLD_SIZE)": rpn, "--resume": resume,
+                     "--resume-on-new-data": resume_on_new_data},
                     "config and world layout", dist_cfg.timeout_s)
 
 
@@ -120,7 +108,7 @@ def check_placements_and_data(dist_cfg: DistConfig, tables: list[TableConfig],
         f"the resolved placements (dist.plan={dist_cfg.plan!r}) of table {table.name}": f"{kind} on ranks {ranks}"
         for table, (kind, ranks) in zip(tables, placements, strict=True)}
     for key, ds in data.items():
-        facts[f"the data ({key}={str(ds.path)!r})"] = data_fingerprint(ds.path, len(ds))
+        facts[f"the data ({key}={str(ds.path)!r})"] = fingerprint(ds)
     check_agreement(facts, "sharding plan and data", dist_cfg.timeout_s)
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from recstack.data.format import PreparedDataset
+from recstack.data.integrity import check_values
 from recstack.errors import ConfigError
 from recstack.exfm.config import ExfmConfig, exfm_config_from_dict, movielens_config, synth_config
 from recstack.exfm.das import DasJob
@@ -149,6 +150,7 @@ class ExperimentRunner:
             data = prepare_stream(cfg, self.out, seed)
             self.data[seed] = data
             ds = PreparedDataset(data)
+            check_values(ds)  # once, here: every task of the seed trains or evaluates on these rows
             num_windows = len(make_windows(ds, cfg.stream))
             if num_windows <= cfg.stream.vm_start:
                 raise ConfigError(

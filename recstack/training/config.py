@@ -95,6 +95,10 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     progress: bool = True
+    # The divergence guard (recstack.training.divergence): stop when a step's loss exceeds divergence_factor x the
+    # mean of the last divergence_window steps' losses (at least ln 2); 0 = no level check (NaN/Inf still stop).
+    divergence_factor: float = 100.0
+    divergence_window: int = 100
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
     def validate(self, check_device: bool = True) -> None:
@@ -114,6 +118,11 @@ class TrainConfig:
             raise ConfigError("train.batch_size and train.eval_batch_size: must be positive")
         if not 0.0 <= self.target_auc < 1.0:
             raise ConfigError(f"train.target_auc: must be in [0, 1), got {self.target_auc}")
+        if not (self.divergence_factor == 0 or 1 < self.divergence_factor < math.inf):
+            raise ConfigError(f"train.divergence_factor: must be 0 (off) or finite and > 1, got "
+                              f"{self.divergence_factor}")
+        if self.divergence_window < 1:
+            raise ConfigError(f"train.divergence_window: must be >= 1, got {self.divergence_window}")
         if self.target_auc and not self.eval_every:
             raise ConfigError("train.target_auc: needs train.eval_every > 0 (the AUC is checked at each evaluation)")
         self.early_stopping.validate()

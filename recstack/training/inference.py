@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from recstack.config import Config, config_from_dict
 from recstack.data.format import PreparedDataset, capped_table_sizes
+from recstack.data.integrity import check_values
 from recstack.data.loader import BatchLoader
 from recstack.data.sources import held_out_rows
 from recstack.embedding.sparse_optim import sparse_optimizer_config
@@ -123,6 +124,7 @@ def _loader(
     cfg: Config, model: DLRM, data: PreparedDataset, batch_size: int, rows: tuple[int, int] | None = None
 ) -> BatchLoader:
     check_data(cfg, model, data)
+    check_values(data, rows)  # labels, dense inputs, bags: an error naming the file and row, not NaN metrics
     caps = model.feature_rows() if cfg.model.max_table_size > 0 else None
     return BatchLoader(data, batch_size, rows, drop_last=False, table_caps=caps)
 

@@ -11,7 +11,6 @@ which stops the run, reduces the learning rates and names the best checkpoint (k
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -32,10 +31,11 @@ from recstack.distributed import agreement, parallelize
 from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config
-from recstack.errors import ConfigError, PeerFailure
+from recstack.errors import ConfigError, DivergenceError, PeerFailure
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
-from recstack.training.checkpoint.checkpointer import Checkpointer
+from recstack.training.checkpoint.checkpointer import Checkpointer, any_checkpoint
+from recstack.training.checkpoint.data_record import NEW_DATA_FLAG, DataRecord, data_record
 from recstack.training.checkpoint.resume import claim_output_dir
 from recstack.training.checkpoint.state import (
     CompressionState,
@@ -46,6 +46,7 @@ from recstack.training.checkpoint.state import (
     RunInfo,
     Stateful,
 )
+from recstack.training.divergence import DivergenceGuard
 from recstack.training.early_stopping import Monitor
 from recstack.training.evaluate import evaluate_loader, oracle_auc, select_metrics, summarize, write_summary
 from recstack.training.logger import MetricsLogger
@@ -55,10 +56,13 @@ from recstack.training.step import Progress, build_dense_optimizer, optimizer_st
 
 class Trainer:
     def __init__(self, cfg: Config, output_dir: str | Path | None = None, resume: bool = False,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, resume_on_new_data: bool = False) -> None:
         """``resume``: continue from the newest checkpoint in ``output_dir``; otherwise the run starts at step 0,
-        and an earlier run's checkpoints and metrics there are an error unless ``overwrite`` removes them."""
+        and an earlier run's checkpoints and metrics there are an error unless ``overwrite`` removes them.
+        ``resume_on_new_data`` (implies ``resume``): continue even on other data than the checkpoint trained on
+        (``checkpoint/data_record.py``)."""
         self.cfg, t = cfg, cfg.train
+        resume = resume or resume_on_new_data
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         seed_everything(t.seed)
@@ -70,12 +74,12 @@ class Trainer:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             resume = True  # torchrun --max-restarts started us again after a failure: continue, do not redo
         if self.world > 1:  # before any collective of the run: the same job on every rank, or an error
-            agreement.check_job(cfg.to_dict(), cfg.dist, self.world, resume)
+            agreement.check_job(cfg.to_dict(), cfg.dist, self.world, resume, resume_on_new_data)
         if self.output_dir and not resume:
             claim_output_dir(self.output_dir, overwrite, self.is_main)
         if self.output_dir and self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._data()
+        self._data(resume and not resume_on_new_data)
         # Sharded runs build the tables on "meta" (shapes only); _parallelize builds this rank's shards.
         self.model: DLRM = build_model(
             cfg.model, sparse_optimizer_config(cfg.optim), len(self.train_ds.dense_features), self.table_sizes,
@@ -94,16 +98,18 @@ class Trainer:
         self.lr = LRScaler(schedule, self.optimizer, self.model) if active else None
         self.total_steps = t.max_steps or t.epochs * len(self.train_loader)
         self.progress = Progress()
+        self.guard = DivergenceGuard(t.divergence_factor, t.divergence_window, self.world, self.device)
         self._reliability: dict[str, list[Any]] | None = None  # of the latest evaluation
         # The monitor's state is in the checkpoint only when it is used: other runs' checkpoints stay as they were.
         selection: list[Stateful] = [self.monitor] if self.monitor.active else []
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints" if self.output_dir else None, self.model.embeddings, self.world,
             self.device, keep=t.keep_checkpoints,
-            replicated=[ModelState(self.model, self.world > 1, self.device), Keyed("dense_optimizer", self.optimizer),
+            replicated=[DataRecord(self.data_record, resume_on_new_data, self.is_main),
+                        ModelState(self.model, self.world > 1, self.device), Keyed("dense_optimizer", self.optimizer),
                         LoaderState(self.train_loader, t.shuffle, self.is_main), self.progress, RNGState(),
                         RunInfo(cfg.to_dict(), self.model.num_dense, self.table_sizes, self.train_ds.table_names,
-                                self.world), *selection],
+                                self.world), self.guard, *selection],
             rank_local=[CompressionState(self.compression, self.device)],
         )
         if resume:
@@ -114,11 +120,18 @@ class Trainer:
         self.logger = MetricsLogger(self.output_dir if self.is_main else None,
                                     resume_step=self.step if resume else None)
 
-    def _data(self) -> None:
-        """The training and evaluation sets and their loaders (this rank's slice of every global batch)."""
+    def _data(self, keep_data: bool) -> None:
+        """The training and evaluation sets and their loaders (this rank's slice of every global batch).
+        ``keep_data``: resuming on the checkpoint's data, so a ``[data.synth]`` set there that checkpoints trained
+        on is not generated again with other options (a refused resume leaves the run directory as it was)."""
         cfg, t = self.cfg, self.cfg.train
+        keep = None
+        if keep_data and self.output_dir and any_checkpoint(self.output_dir / "checkpoints"):
+            keep = (f"the checkpoints in {self.output_dir / 'checkpoints'} trained on it, and --resume continues "
+                    f"only on the data its checkpoint trained on: restore the options, or pass {NEW_DATA_FLAG} to "
+                    "generate it again and continue on the new rows")
         self.train_ds, self.eval_ds, eval_range = prepare_data(
-            cfg.data, self.output_dir, t.progress, agreement.on_rank0 if self.world > 1 else None)
+            cfg.data, self.output_dir, t.progress, agreement.on_rank0 if self.world > 1 else None, keep)
         self.has_eval = eval_range[1] > eval_range[0]
         if not self.has_eval:
             why = (f"data.eval {self.eval_ds.path} has no rows" if self.eval_ds is not self.train_ds else
@@ -129,6 +142,7 @@ class Trainer:
                 print(f"no evaluation: {why}; training without it (summary.json gets no eval metrics)",
                       file=sys.stderr)
         train_range = (0, eval_range[0]) if self.eval_ds is self.train_ds else (0, len(self.train_ds))
+        self.data_record = data_record(cfg.data, self.train_ds, train_range)
         self.table_sizes = capped_table_sizes(self.train_ds.table_sizes, cfg.model.max_table_size)
         caps = self.table_sizes if cfg.model.max_table_size > 0 else None
         self.train_loader = BatchLoader(self.train_ds, t.batch_size, train_range, shuffle=t.shuffle, seed=t.seed,
@@ -196,7 +210,21 @@ class Trainer:
                       file=sys.stderr)
 
     def save(self) -> Path | None:
+        """A checkpoint of this step, unless a weight is not finite (then a DivergenceError). Collective."""
+        if self.checkpointer.directory is not None:
+            why = self.guard.check_weights(self.model)
+            if why is not None:
+                self._diverged(f"step {self.step}: {why}", self.step)
         return self.checkpointer.save(self.step)
+
+    def _diverged(self, why: str, weights_step: int) -> None:
+        """Stop the run: the weights after ``weights_step`` steps diverged, so a checkpoint of them is set aside
+        (``<name>.diverged``: --resume and eval take the newest before it) and the error names it. Collective under
+        torchrun."""
+        aside = self.checkpointer.set_aside(weights_step, ".diverged", self.is_main)
+        note = f"; its checkpoint was set aside as {aside}" if aside is not None else ""
+        raise DivergenceError(f"training diverged at {why}{note}. Lower the learning rates (optim.dense_lr, "
+                              "optim.sparse_lr) or check the data; train.divergence_factor=0 turns the level check off")
 
     # -- loop ------------------------------------------------------------------------------------------
     def train_step(self, batch: Batch) -> float:
@@ -245,8 +273,9 @@ class Trainer:
                 window_wait += started - tick  # waiting for the loader
                 window_step += now - started
                 tick = now
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"step {p.step + 1}: loss is {loss}; lower the learning rates")
+                why = self.guard.check_loss(loss)  # collective under torchrun: every rank stops alike
+                if why is not None:
+                    self._diverged(f"step {p.step + 1}: {why}", p.step)  # the weights this loss was computed with
                 p.step += 1
                 p.samples += batch.global_rows or batch.batch_size * self.world  # global samples
                 window_loss += loss
@@ -267,6 +296,7 @@ class Trainer:
                     window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, now, 0.0, 0.0
                 if t.eval_every and self.has_eval and p.step % t.eval_every == 0 and p.step < self.total_steps:
                     result = self.evaluate()  # on every rank the same (gathered) figures, so all stop together
+                    self._check_eval(result)
                     self.logger.log(p.step, "eval", result)
                     if self._reached_target(result):
                         reached = result
@@ -289,6 +319,7 @@ class Trainer:
             final = reached
         elif self.has_eval:
             final = self.evaluate()
+            self._check_eval(final)  # before the final checkpoint
             new = not any(r["step"] == p.step and r["kind"] == "eval" for r in self.logger.kept)
             if new:
                 self.logger.log(p.step, "eval", final)  # (a finished run resumed has it already)
@@ -314,6 +345,11 @@ class Trainer:
         metrics = evaluate_loader(self.net, self.eval_loader, self.device, self.model.embeddings, self.world)
         self._reliability = metrics.reliability()
         return metrics.compute()
+
+    def _check_eval(self, result: dict[str, float]) -> None:
+        why = self.guard.check_eval(result.get("logloss"))
+        if why is not None:
+            self._diverged(f"the evaluation of step {self.step}: {why}", self.step)
 
     def _select(self, result: dict[str, float], final: bool = False) -> bool:
         """Give the evaluation ``result`` of this step to the monitor: a new best is saved as a checkpoint and

@@ -31,7 +31,7 @@ import torch
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.collection import EmbeddingCollection
 from recstack.errors import CheckpointError, ConfigError
-from recstack.io import json_safe
+from recstack.io import fsync_dir, json_safe
 from recstack.training.checkpoint.sharded import (
     _STEP_DIR,
     SHARDED_STATE_FILE,
@@ -137,6 +137,22 @@ class Checkpointer:
             if not old.name.startswith(checkpoint.name):
                 _remove(old)
 
+    def set_aside(self, step: int, suffix: str, is_main: bool) -> Path | None:
+        """Rename this run's checkpoint of ``step`` to ``<name><suffix>`` (no longer a checkpoint name, so neither
+        ``--resume`` nor ``eval`` takes it) -> its new path; None when there is none. Rank 0 renames it, after
+        every rank has looked (collective under torchrun)."""
+        ckpt = self.checkpoint_at(step)
+        if self.world > 1:
+            torch.distributed.barrier()
+        if ckpt is None:
+            return None
+        target = ckpt.with_name(ckpt.name + suffix)
+        if is_main:
+            _remove(target)
+            os.replace(ckpt, target)
+            fsync_dir(ckpt.parent)
+        return target
+
     def best_step(self) -> int | None:
         """The step that ``best.json`` names (None: no best kept)."""
         record = read_best(self.directory) if self.directory is not None else None
@@ -192,6 +208,11 @@ class Checkpointer:
             state["model"][f"embeddings.{prefix}weight"] = weight.to(device)
             if acc is not None:
                 state["model"][f"embeddings.{prefix}accumulator"] = acc.to(device)
+
+
+def any_checkpoint(ckpt_dir: Path) -> bool:
+    """Whether ``ckpt_dir`` holds a checkpoint of either kind (by name: nothing is read)."""
+    return bool(list_checkpoints(ckpt_dir) or list_sharded(ckpt_dir))
 
 
 def read_best(ckpt_dir: Path) -> dict[str, Any] | None:

@@ -63,8 +63,9 @@ class ModelState:
         tables = None if self.sharded else convert_embedding_layout(state, emb, self.device)
         try:
             missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
-        except RuntimeError as e:  # shapes differ
-            raise ConfigError(f"resume: {where} does not match the model: {e}") from e
+        except RuntimeError as e:  # shapes differ; torch's message has a line per tensor: one line
+            detail = "; ".join(x.strip() for x in str(e).splitlines() if x.strip())
+            raise ConfigError(f"resume: {where} does not match the model: {detail}") from e
         if self.sharded:  # the sharded tables came from DCP
             missing = [k for k in missing if not k.startswith("embeddings.")]
         if unexpected or missing:
