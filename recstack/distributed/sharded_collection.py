@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from recstack.compression.base import Codec
 from recstack.data.batch import SparseFeatures
+from recstack.distributed import agreement
 from recstack.distributed import grad_aggregation as ga
 from recstack.distributed.comm import CommStats, PooledExchange, all_to_all_variable
 from recstack.distributed.grad_aggregation import GradGroups
@@ -46,15 +47,19 @@ from recstack.embedding.fused import FusedEmbeddingBagCollection, TableInit
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
 from recstack.errors import ConfigError
 
-# (tables, optimizer, device, init) -> the collection that holds one group of local shards, init(i, out) writing
-# its table i's initial rows: how the shards are held (in memory, or later in cached tiers) is the factory's.
-LocalCollection = Callable[[list[TableConfig], SparseOptimizerConfig, torch.device, TableInit], EmbeddingCollection]
+# One group of a rank's local shards (one per shard dim): its tables, and init(i, out) writing table i's initial
+# rows into ``out`` [rows, dim].
+LocalGroup = tuple[list[TableConfig], TableInit]
+# (every group of this rank, optimizer, device) -> the collection holding each group, in order. The factory gets
+# every group at once, so that it can place them together (memory budgets are per rank): how the shards are held
+# (in memory, or in cached tiers: ``recstack.distributed.tiered_shards``) is the factory's.
+LocalCollection = Callable[[list[LocalGroup], SparseOptimizerConfig, torch.device], list[EmbeddingCollection]]
 
 
-def fused_local(tables: list[TableConfig], optimizer: SparseOptimizerConfig, device: torch.device,
-                init: TableInit) -> EmbeddingCollection:
-    """The default local collection: every local shard in memory on ``device``."""
-    return FusedEmbeddingBagCollection(tables, optimizer, device=device, init=init)
+def fused_local(groups: list[LocalGroup], optimizer: SparseOptimizerConfig,
+                device: torch.device) -> list[EmbeddingCollection]:
+    """The default local collections: every local shard in memory on ``device``."""
+    return [FusedEmbeddingBagCollection(tables, optimizer, device=device, init=init) for tables, init in groups]
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.groups = torch.nn.ModuleDict()
         self.group_pairs: dict[str, list[int]] = {}
         self.pair_slot: list[tuple[str, int]] = [("", 0)] * len(mine)  # pair -> (group, local feature index)
+        specs: list[LocalGroup] = []
         for dim, idxs in sorted(by_dim.items()):
             shard_ids: dict[tuple[int, int], list[int]] = {}  # one local table per shard, shared by its pairs
             for local_f, i in enumerate(idxs):
@@ -202,12 +208,20 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 s = held[i]
                 init_block(self.tables[s.table], seed, s.table, (s.row0, s.row1), (s.col0, s.col1), out=out)
 
-            coll = local_collection(local_tables, self.optimizer.config, self.device, init)
             key = f"d{dim}"
-            self.groups[key] = coll
+            specs.append((local_tables, init))
             self.group_pairs[key] = idxs
             for local_f, i in enumerate(idxs):
                 self.pair_slot[i] = (key, local_f)
+        error: Exception | None = None
+        colls: list[EmbeddingCollection] = []
+        try:
+            colls = local_collection(specs, self.optimizer.config, self.device)
+        except Exception as e:  # decided together below: a rank that raised alone would leave the rest waiting
+            error = e
+        agreement.fail_together(error, "build its embedding shards")
+        for key, coll in zip(self.group_pairs, colls, strict=True):
+            self.groups[key] = coll
         dp_tables = [t for t, kind in enumerate(self.sharding) if kind == "data_parallel"]
         self.dp_features = [f for f, t in enumerate(self.feature_table) if t in dp_tables]
         self.replicated: ReplicatedEmbeddingBagCollection | None = None
