@@ -45,6 +45,7 @@ from recstack.distributed.sharding import Shard, table_shards
 from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_block
 from recstack.embedding.fused import FusedEmbeddingBagCollection, TableInit
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
+from recstack.embedding.tiered.collection import TieredEmbeddingCollection
 from recstack.errors import ConfigError
 
 # One group of a rank's local shards (one per shard dim): its tables, and init(i, out) writing table i's initial
@@ -383,26 +384,39 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
     # -- capabilities of the collection interface ------------------------------------------------------------
     def pop_counters(self) -> dict[str, float]:
-        return self.stats.pop()
+        """Bytes and seconds per collective, and this rank's local collections' counters (the cache requests,
+        hits and fetch seconds of shards in cached tiers) summed over them."""
+        out = self.stats.pop()
+        for m in self.groups.values():
+            for k, v in cast(EmbeddingCollection, m).pop_counters().items():
+                out[k] = out.get(k, 0.0) + v
+        return out
 
     def wire_layout(self) -> list[list[tuple[int, int, int, int, int, int]]]:
         return [[(f, s.table, s.row0, s.row1, s.col0, s.col1) for f, s in per_rank] for per_rank in self.pairs]
 
     # -- inspection ----------------------------------------------------------------------------------------
     def local_shards(self) -> list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]]:
-        """(table name, shard, weight view [rows, d], row-wise accumulator view [rows] or None) of every shard
-        this rank holds: the model-parallel ones in group order, then each replicated table as one whole-table
-        shard (table index -1, on this rank). Views: writing into them writes the rows (a checkpoint load)."""
+        """(table name, shard, weight [rows, d], row-wise accumulator [rows] or None) of every shard this rank
+        holds: the model-parallel ones in group order, then each replicated table as one whole-table shard
+        (table index -1, on this rank). In-memory shards give views: writing into them writes the rows (a
+        checkpoint load). Shards in cached tiers give CPU copies of their rows (their caches flushed into their
+        stores first); to load rows into them, write into the copies, then hand them to ``store_local_shards``."""
         out = []
-        for group in self.groups.values():
-            if not isinstance(group, FusedEmbeddingBagCollection):  # views need the rows in one weight tensor
-                raise NotImplementedError(f"local_shards: the rows of a {type(group).__name__} are not tensors")
+        for m in self.groups.values():
+            group = cast(EmbeddingCollection, m)
             for i, tc in enumerate(group.tables):
                 name, si = tc.name.rsplit(".shard", 1)
                 t = next(j for j, x in enumerate(self.tables) if x.name == name)
-                lo, hi = int(group.table_offsets[i]), int(group.table_offsets[i + 1])
-                acc = group.accumulator[lo:hi] if group.accumulator is not None else None
-                out.append((name, self.shards[t][int(si)], group.weight[lo:hi], acc))
+                if isinstance(group, TieredEmbeddingCollection):
+                    weight, acc = group.table_state(tc.name)
+                elif isinstance(group, FusedEmbeddingBagCollection):
+                    lo, hi = int(group.table_offsets[i]), int(group.table_offsets[i + 1])
+                    weight = group.weight[lo:hi]
+                    acc = group.accumulator[lo:hi] if group.accumulator is not None else None
+                else:
+                    raise NotImplementedError(f"local_shards: cannot read the rows of a {type(group).__name__}")
+                out.append((name, self.shards[t][int(si)], weight, acc))
         if self.replicated is not None:
             rep = self.replicated
             for i, tc in enumerate(rep.tables):
@@ -411,6 +425,18 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 acc = rep.accumulator[lo:hi] if rep.accumulator is not None else None
                 out.append((tc.name, full, rep.weight[lo:hi], acc))
         return out
+
+    def store_local_shards(self, shards: list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]]) -> None:
+        """Load the rows written into the copies ``local_shards`` gave (in its order) into the shards held in
+        cached tiers (their caches start empty); in-memory shards were written through their views already."""
+        at = 0
+        for m in self.groups.values():
+            group = cast(EmbeddingCollection, m)  # a ModuleDict of local collections: torch types its values Module
+            mine, at = shards[at : at + len(group.tables)], at + len(group.tables)
+            if group.stores_rows_in_files:
+                weight = torch.cat([w for _, _, w, _ in mine])
+                accs = [a for _, _, _, a in mine if a is not None]
+                group.restore_tensors(weight, torch.cat(accs) if accs else None)
 
     def table_weight(self, name: str) -> torch.Tensor:
         """The full table, gathered from its shards (a collective: every rank must call it)."""

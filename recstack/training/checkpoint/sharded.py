@@ -140,11 +140,13 @@ def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: Ba
     raises :class:`CheckpointError` and none reads."""
     plan: list[tuple[torch.Tensor, Shard, str, tuple[str, int, int, int, int]]] = []
     request: dict[str, torch.Tensor] = {}
+    shards: list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]] = []
     if error is None:
         try:
             saved, pieces = _saved_pieces(path)
             check_coverage(coll.tables, _parts(coll.optimizer.needs_accumulator), path, pieces)
-            for name, s, w, acc in coll.local_shards():
+            shards = coll.local_shards()  # views of in-memory shards, copies of cached ones
+            for name, s, w, acc in shards:
                 for part, target in (("weight", w), ("accumulator", acc)):
                     if target is None:
                         continue
@@ -159,6 +161,7 @@ def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: Ba
     agree(error)
     dcp.load(request, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)))  # collective
     _copy_overlaps(plan, request)
+    coll.store_local_shards(shards)  # the copies of shards in cached tiers, into their tiers
 
 
 def _copy_overlaps(plan: list[tuple[torch.Tensor, Shard, str, tuple[str, int, int, int, int]]],
