@@ -63,8 +63,8 @@ def _same_end(run: Path, straight: Path, data: Path, tol: float = 0.0) -> None:
         torch.testing.assert_close(a, b, atol=tol, rtol=0)
 
 
-def test_tiered_run_killed_and_resumed_ends_bit_identical(tiny_dataset: Path, tmp_path: Path,
-                                                          straight: Path) -> None:
+def test_tiered_run_killed_and_resumed_ends_bit_identical(tiny_dataset: Path, tmp_path: Path, straight: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
     """`torchrun ... train --set memory.device=... --set memory.ssd_dir=...`: every rank's shards in SSD-cached
     tiers behind small caches. A worker SIGKILLed after the first checkpoint (torchrun then stops the other), the
     run resumed with --resume in tiers again: it ends bit for bit where the uninterrupted all-in-memory run ends
@@ -83,6 +83,16 @@ def test_tiered_run_killed_and_resumed_ends_bit_identical(tiny_dataset: Path, tm
     train = [x for x in lines if x["kind"] == "train"]  # rank 0's caches: most lookups missed
     requests, hits = sum(x["cache_requests"] for x in train), sum(x["cache_hits"] for x in train)
     assert requests > 0 and hits < 0.5 * requests, (hits, requests)
+    # `recstack eval` in one process puts the tables together from the shards into the tiers the run's budgets
+    # give one process, and reproduces the run's final evaluation
+    from recstack.cli.main import main
+
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run)]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    summary = json.loads((run / "summary.json").read_text())
+    for k in ("auc", "logloss"):
+        assert evaluated[k] == pytest.approx(summary[k], abs=1e-6), k
 
 
 if os.environ.get("RECSTACK_SKIP_DIST"):
