@@ -309,6 +309,28 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             groups = (_nest(sent, per_owner), _nest(served, [n] * self.world))
         return RoutedIds(sparse.ids, batch_sizes, list(zip(ids_out, lens_out, strict=True)), w_out, groups)
 
+    def _group_inputs(self, routed: RoutedIds) -> dict[str, SparseFeatures]:
+        """The input of each local collection: the ids of its pairs over every rank's samples."""
+        out = {}
+        for key, idxs in self.group_pairs.items():
+            ids = torch.cat([routed.pairs[i][0] for i in idxs])
+            lens = torch.cat([routed.pairs[i][1] for i in idxs])
+            offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+            pw = routed.weights
+            w = (torch.cat([x for i in idxs if (x := pw[i]) is not None])  # all or none are weighted
+                 if pw and pw[0] is not None else None)
+            out[key] = SparseFeatures(ids, offsets, len(idxs), w)
+        return out
+
+    def announce(self, routed: RoutedIds) -> None:
+        """A training batch routed ahead (``input_dist`` in the input pipeline): its local collections learn
+        their coming ids, so that cached tiers fetch the rows this rank owns while the batch before computes."""
+        hooks = {key: h for key, m in self.groups.items() if (h := cast(EmbeddingCollection, m).ids_hook())}
+        if hooks:
+            for key, sparse in self._group_inputs(routed).items():
+                if key in hooks:
+                    hooks[key](sparse)
+
     def use_routed(self, routed: RoutedIds) -> None:
         """The next forward's batch was distributed ahead (``input_dist``): forward uses ``routed`` once instead
         of communicating. The main thread hands it over right before that forward."""
@@ -325,16 +347,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             routed = self.input_dist(sparse)
         elif routed.ids is not sparse.ids:
             raise RuntimeError("the routed ids handed over were distributed for another batch than this forward's")
-        batch_sizes, pair_data, pair_w, grad_groups = (routed.batch_sizes, routed.pairs, routed.weights,
-                                                       routed.grad_groups)
-        pooled: dict[str, torch.Tensor] = {}
-        for key, idxs in self.group_pairs.items():
-            ids = torch.cat([pair_data[i][0] for i in idxs])
-            lens = torch.cat([pair_data[i][1] for i in idxs])
-            offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-            w = (torch.cat([x for i in idxs if (x := pair_w[i]) is not None])  # all or none are weighted
-                 if pair_w and pair_w[0] is not None else None)
-            pooled[key] = self.groups[key](SparseFeatures(ids, offsets, len(idxs), w))  # [Bg, n_group, d]
+        batch_sizes, grad_groups = routed.batch_sizes, routed.grad_groups
+        pooled = {key: self.groups[key](sp) for key, sp in self._group_inputs(routed).items()}  # [Bg, n_group, d]
         # Output all-to-all: rank r gets rows [start_r, end_r) of every owned pair.
         bounds = [0]
         for br in batch_sizes:

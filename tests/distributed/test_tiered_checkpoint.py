@@ -68,7 +68,7 @@ def test_tiered_run_killed_and_resumed_ends_bit_identical(tiny_dataset: Path, tm
     """`torchrun ... train --set memory.device=... --set memory.ssd_dir=...`: every rank's shards in SSD-cached
     tiers behind small caches. A worker SIGKILLed after the first checkpoint (torchrun then stops the other), the
     run resumed with --resume in tiers again: it ends bit for bit where the uninterrupted all-in-memory run ends
-    (so also its AUC)."""
+    (so also its AUC). The input pipeline tells the shards their coming ids, so their rows are prefetched."""
     run = tmp_path / "run"
     options = [*COMMON, *LAYOUT, *_tiers(run), "train.checkpoint_every=5"]
     agent = kill_after_checkpoints(train_args(run, tiny_dataset, options), run / "checkpoints", 1,
@@ -83,6 +83,8 @@ def test_tiered_run_killed_and_resumed_ends_bit_identical(tiny_dataset: Path, tm
     train = [x for x in lines if x["kind"] == "train"]  # rank 0's caches: most lookups missed
     requests, hits = sum(x["cache_requests"] for x in train), sum(x["cache_hits"] for x in train)
     assert requests > 0 and hits < 0.5 * requests, (hits, requests)
+    # dist.pipeline (the default) routes each batch ahead: its rows were fetched before its forward
+    assert sum(x["cache_prefetch_seconds"] for x in train) > 0
     # `recstack eval` in one process puts the tables together from the shards into the tiers the run's budgets
     # give one process, and reproduces the run's final evaluation
     from recstack.cli.main import main

@@ -394,16 +394,26 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
         """A function for the data loader to call on each batch as it is prepared (in its own thread, ahead of
         training): it records the batch's ids so their rows can be fetched while the batch before it computes.
         None when nothing is cached or prefetching is off."""
-        if not (self.prefetch_enabled and self.cached_tables):
+        hook = self.ids_hook()
+        if hook is None:
             return None
 
         def announce(batch: Batch) -> Batch:
-            s = batch.sparse
+            hook(batch.sparse)
+            return batch
+
+        return announce
+
+    def ids_hook(self) -> Callable[[SparseFeatures], None] | None:
+        """Records the ids of a coming forward (``next_batch_hook`` for what they are for)."""
+        if not (self.prefetch_enabled and self.cached_tables):
+            return None
+
+        def announce(s: SparseFeatures) -> None:
             with self._hint_lock:
                 self._hints.append(_Hint(s.ids.cpu(), s.offsets.cpu()))
                 while len(self._hints) > 64:  # batches that were loaded but never trained (a stopped epoch)
                     self._hints.popleft()
-            return batch
 
         return announce
 
