@@ -49,6 +49,47 @@ def _run(data: Path, opt: str, rank: int, world: int, placements=None, rpn=None,
     return {"losses": losses, "auc": auc, "tables": tables, **cache}
 
 
+def _checkpoint_case(rank: int, world: int, tmp: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Shards in host-cached tiers (LRU), trained a step and saved; loaded into another sharding in ssd-cached
+    tiers (LFU) with other cache sizes. -> (loaded, saved) tables after the load and again after one more
+    identical step on both (which reads the row-wise Adagrad state too)."""
+    from test_sharded import _samples, _sparse_batch
+
+    from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
+    from recstack.distributed.tiered_shards import tiered_local
+    from recstack.embedding.collection import TableConfig
+    from recstack.embedding.sparse_optim import SparseOptimizerConfig
+    from recstack.embedding.tiered.collection import TieredEmbeddingCollection
+    from recstack.embedding.tiered.config import MemoryConfig
+    from recstack.training.checkpoint.sharded import load_sharded, save_sharded
+
+    tables = [TableConfig("a", 90, 8, (0,)), TableConfig("b", 40, 8, (1, 2)), TableConfig("c", 7, 8, (3,))]
+    cfg = SparseOptimizerConfig("rowwise_adagrad", lr=0.1)
+    host = tiered_local(MemoryConfig(device="900", cache_policy="lru"), rank, replicated_bytes=7 * 36)
+    saved = ShardedEmbeddingCollection(tables, cfg, [("row_wise", [0, 1]), ("table_wise", [1]),
+                                                     ("data_parallel", [0, 1])], 5, "cpu", local_collection=host)
+    ssd = tiered_local(MemoryConfig(device="700", host="1", ssd_dir=str(tmp / "ssd_ckpt"), cache_policy="lfu"),
+                       rank, replicated_bytes=7 * 36)
+    loaded = ShardedEmbeddingCollection(tables, cfg, [("table_wise", [0]), ("row_wise", [1, 0]),
+                                                      ("data_parallel", [0, 1])], 9, "cpu", local_collection=ssd)
+
+    def step(coll: ShardedEmbeddingCollection, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        sparse = _samples(_sparse_batch(6, [90, 40, 40, 7], g, False, 3), 3 * rank, 3 * rank + 3)
+        coll.train()
+        (coll(sparse) * torch.randn(3, 4, 8, generator=g)).sum().backward()
+
+    for coll in (saved, loaded):  # every rank holds its model-parallel shards in cached tiers
+        assert all(isinstance(g, TieredEmbeddingCollection) for g in coll.groups.values())
+    step(saved, 1)
+    path = save_sharded(tmp / "ckpt", 1, saved, {})
+    load_sharded(path, loaded, torch.device("cpu"))
+    out = [(loaded.table_weight(t.name), saved.table_weight(t.name)) for t in tables]
+    step(saved, 2)
+    step(loaded, 2)
+    return out + [(loaded.table_weight(t.name), saved.table_weight(t.name)) for t in tables]
+
+
 def _worker(rank: int, world: int, init_file: str, data: str, out: str, cases: list, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -65,11 +106,12 @@ def _worker(rank: int, world: int, init_file: str, data: str, out: str, cases: l
                                tuple(_memory(policy, tier, ssd, sharding))),
                 "ssd_files": sorted(p.name for p in ssd.iterdir()) if ssd.is_dir() else [],
             }
+        checkpoint = _checkpoint_case(rank, world, Path(tmp)) if world == 2 else []
         gathered: list = [None] * world
         dist.all_gather_object(gathered, {k: (v["tiered"]["requests"], v["tiered"]["hits"])
                                           for k, v in results.items()})
         if rank == 0:
-            torch.save({"results": results, "cache": gathered}, out)
+            torch.save({"results": results, "cache": gathered, "checkpoint": checkpoint}, out)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -105,6 +147,8 @@ def _check(tmp_path: Path, data: Path, world: int, cases: list) -> None:
             # whose shards all fit on the device has none)
             assert res["ssd_files"] and set(res["ssd_files"]) <= {f"rank_{r}" for r in range(world)}, name
     assert refs[cases[0][1]]["losses"][-1] < refs[cases[0][1]]["losses"][0]  # training moved at all
+    for i, (got, want) in enumerate(saved["checkpoint"]):  # resharded across shardings and tiers, bit for bit
+        assert torch.equal(got, want), f"checkpoint table {i % 3} differs ({'after' if i >= 3 else 'at'} load)"
 
 
 def test_tiered_shards_two_ranks_match_one_process(tiny_dataset: Path, tmp_path: Path) -> None:
