@@ -57,11 +57,20 @@ def plan_local_shards(
     rb = [row_bytes(t.embedding_dim, optimizer) for t in tables]
     dev, host = parse_bytes(memory.device), parse_bytes(memory.host)
     given = {i: storage[t.name] for i, t in enumerate(tables) if t.name in storage}
+    need = {"device": 0, "host": 0}
     for i, p in given.items():  # decided elsewhere: taken off the budgets the other shards are planned in
-        cache = tables[i].num_embeddings if p.tier == "device" else p.cache_rows
-        dev = None if dev is None else dev - cache * rb[i]
-        if p.tier == "host-cached" and host is not None:
-            host -= tables[i].num_embeddings * rb[i]
+        need["device"] += (tables[i].num_embeddings if p.tier == "device" else p.cache_rows) * rb[i]
+        if p.tier == "host-cached":
+            need["host"] += tables[i].num_embeddings * rb[i]
+    for field, budget in (("device", dev), ("host", host)):
+        if budget is not None and need[field] > budget:
+            names = ", ".join(repr(tables[i].name) for i, p in given.items()
+                              if field == "device" or p.tier == "host-cached")
+            raise ConfigError(f"rank {rank}: memory.{field}={getattr(memory, field)!r} ({format_bytes(budget)}) "
+                              f"is below the {format_bytes(need[field])} the planned storage of shards {names} "
+                              f"takes there: raise memory.{field} or give those shards another tier")
+    dev = None if dev is None else dev - need["device"]
+    host = None if host is None else host - need["host"]
     if dev is not None:
         dev -= replicated_bytes
         if dev < 0:

@@ -45,3 +45,36 @@ def test_bad_budgets_stop_every_rank_before_training(tiny_dataset: Path, tmp_pat
 
 if os.environ.get("RECSTACK_SKIP_DIST"):
     pytestmark = pytest.mark.skip("RECSTACK_SKIP_DIST set")
+
+
+def test_local_shards_planned_within_the_rank_budgets(tmp_path: Path) -> None:
+    """Shards of different dims (a column-wise split) share one rank's budget; a shard whose storage was decided
+    elsewhere (a plan file's tier and cache size) keeps it and the others get what it leaves; the data-parallel
+    tables' bytes come off the device budget first."""
+    from recstack.distributed.tiered_shards import plan_local_shards
+    from recstack.embedding.collection import TableConfig
+    from recstack.embedding.sparse_optim import SparseOptimizerConfig
+    from recstack.embedding.tiered.collection import TablePlacement
+    from recstack.embedding.tiered.config import MemoryConfig
+    from recstack.errors import ConfigError
+
+    opt = SparseOptimizerConfig("rowwise_adagrad", lr=0.1)
+    shards = [TableConfig("a.shard0", 1000, 8, (0,)), TableConfig("b.shard1", 1000, 4, (1,)),
+              TableConfig("c.shard0", 10, 8, (2,))]  # rows of 36, 20 and 36 bytes
+    memory = MemoryConfig(device="3000", host="30000", ssd_dir=str(tmp_path), cache_policy="lfu")
+    p = plan_local_shards(memory, 1, shards, opt)
+    assert [x.tier for x in p] == ["ssd-cached", "host-cached", "device"]
+    assert 36 * p[0].cache_rows + 20 * p[1].cache_rows + 360 <= 3000 and p[0].cache_rows == p[1].cache_rows
+    assert (tmp_path / "rank_1").is_dir()  # checked writable for the ssd-cached shard
+
+    given = {"a.shard0": TablePlacement("host-cached", 50)}
+    wider = MemoryConfig(device="3000", host="40000", ssd_dir=str(tmp_path), cache_policy="lfu")
+    q = plan_local_shards(wider, 1, shards, opt, storage=given)
+    assert (q[0].tier, q[0].cache_rows, q[0].policy) == ("host-cached", 50, "lfu")
+    assert q[1].tier == "ssd-cached"  # the given shard's 36,000 bytes leave the host budget too little
+    assert 20 * q[1].cache_rows + 360 <= 3000 - 36 * 50
+    with pytest.raises(ConfigError, match=r"rank 1: memory.host='30000' .* of shards 'a.shard0' takes there"):
+        plan_local_shards(memory, 1, shards, opt, storage=given)  # a plan that overcommits host memory
+
+    with pytest.raises(ConfigError, match=r"rank 1: memory.device='3000' .* below the 3.5 KiB of the data-parallel"):
+        plan_local_shards(memory, 1, shards, opt, replicated_bytes=3600)
