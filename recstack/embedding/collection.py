@@ -21,12 +21,15 @@ from recstack.embedding.sparse_optim import SparseOptimizer, SparseOptimizerConf
 
 @dataclass(frozen=True)
 class TableConfig:
-    """One embedding table. Several features may share it (``features`` lists their indices)."""
+    """One embedding table. Several features may share it (``features`` lists their indices). Rows
+    [0, ``zero_rows``) start at zero instead of random values: the rows a prepared set reserves for no known value
+    (missing, out of vocabulary), which training may never touch and which serving looks up for unseen values."""
 
     name: str
     num_embeddings: int
     embedding_dim: int
     features: tuple[int, ...]
+    zero_rows: int = 0
 
 
 def _generator(table: TableConfig, seed: int, index: int) -> tuple[torch.Generator, float]:
@@ -42,7 +45,9 @@ def init_table(table: TableConfig, seed: int, index: int, dtype: torch.dtype = t
     if table.num_embeddings == 0:  # an empty row shard (more row blocks than rows): nothing to draw
         return w
     g, bound = _generator(table, seed, index)
-    return w.uniform_(-bound, bound, generator=g)
+    w.uniform_(-bound, bound, generator=g)
+    w[: table.zero_rows] = 0  # drawn and then zeroed: every other row stays what it always was
+    return w
 
 
 def init_row_chunks(table: TableConfig, seed: int, index: int, chunk_rows: int, stop: int | None = None
@@ -54,7 +59,10 @@ def init_row_chunks(table: TableConfig, seed: int, index: int, chunk_rows: int, 
     g, bound = _generator(table, seed, index)
     stop = table.num_embeddings if stop is None else stop
     for r0 in range(0, stop, chunk_rows):
-        yield torch.empty(min(chunk_rows, stop - r0), table.embedding_dim).uniform_(-bound, bound, generator=g)
+        chunk = torch.empty(min(chunk_rows, stop - r0), table.embedding_dim).uniform_(-bound, bound, generator=g)
+        if r0 < table.zero_rows:  # as init_table: the reserved rows are zero
+            chunk[: table.zero_rows - r0] = 0
+        yield chunk
 
 
 INIT_CHUNK_BYTES = 8 << 20  # per chunk of a block drawn by ``init_block``

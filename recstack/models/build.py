@@ -17,10 +17,11 @@ from recstack.models.dlrm import DLRM
 
 
 def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = None,
-                  dims: dict[str, int] | None = None) -> list[TableConfig]:
-    """``table_sizes`` and ``names`` have one entry per sparse feature: the table it looks up. Features that
-    name the same table share it (a schema's ``table = ...``), so their sizes must agree. Tables have ``dim``
-    columns, those named in ``dims`` their own."""
+                  dims: dict[str, int] | None = None, zero_rows: list[int] | None = None) -> list[TableConfig]:
+    """``table_sizes``, ``names`` and ``zero_rows`` have one entry per sparse feature: the table it looks up, and
+    the rows [0, k) of it that start at zero (the prepared set's ``reserved_rows``). Features that name the same
+    table share it (a schema's ``table = ...``), so their sizes must agree. Tables have ``dim`` columns, those
+    named in ``dims`` their own."""
     dims = dims or {}
     names = names or [f"t{i}" for i in range(len(table_sizes))]
     features: dict[str, list[int]] = {}
@@ -31,7 +32,8 @@ def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = No
         sizes = {table_sizes[i] for i in feats}
         if len(sizes) != 1:
             raise ValueError(f"table {name!r} is shared by features {feats} with different sizes {sorted(sizes)}")
-        tables.append(TableConfig(name, table_sizes[feats[0]], dims.get(name, dim), tuple(feats)))
+        reserved = min(max((zero_rows or [0] * len(table_sizes))[i] for i in feats), table_sizes[feats[0]])
+        tables.append(TableConfig(name, table_sizes[feats[0]], dims.get(name, dim), tuple(feats), reserved))
     return tables
 
 
@@ -47,17 +49,20 @@ def build_model(
     memory: MemoryConfig | None = None,
     log: TextIO | None = None,
     tables_on_meta: bool = False,
+    zero_rows: list[int] | None = None,
 ) -> DLRM:
     """Dense layers are initialised from torch's global RNG (seeded by the caller), tables from per-table
     generators seeded by ``seed``, so the same seeds give the same model on any placement. With ``memory``
     budgets the placement of tables over memory tiers is printed to ``log`` (standard output by default).
     ``tables_on_meta``: the embedding collection is built on the ``meta`` device, shapes without values, for a
     model whose tables will be sharded (``recstack.distributed.parallelize.shard_model`` builds the shards);
-    the dense layers are on ``device`` all the same, drawn in the same order."""
+    the dense layers are on ``device`` all the same, drawn in the same order. ``zero_rows`` (one per feature):
+    rows [0, k) of its table start at zero (``PreparedDataset.reserved_rows``; not in quotient-remainder tables,
+    whose rows are shared by many ids)."""
     model.check_dense(num_dense)  # the bottom MLP's widths, now that the data's dense features are known
     names = names or [f"t{i}" for i in range(len(table_sizes))]
     model.check_table_names(names)
-    tables = table_configs(table_sizes, model.embedding_dim, names, model.table_dims)
+    tables = table_configs(table_sizes, model.embedding_dim, names, model.table_dims, zero_rows)
     qr = QRSplit.build(tables, model.qr_collisions, model.qr_threshold, model.qr_operation)
     if qr is not None:  # the collection holds the quotient and remainder tables
         tables = list(qr.tables)

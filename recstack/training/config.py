@@ -85,7 +85,12 @@ class TrainConfig:
     log_every: int = 50
     checkpoint_every: int = 0  # steps; 0 = only the final checkpoint
     keep_checkpoints: int = 3
-    shuffle: bool = False  # shuffle batch order per epoch (rows inside a batch stay contiguous)
+    # The order of each epoch's rows (recstack.data.order): "none" (file order) | "blocks" (batch-sized blocks
+    # of consecutive rows in a permuted order; true means this) | "rows" (a permutation of all rows) | "window"
+    # (windows of shuffle_window consecutive rows in a permuted order, rows permuted inside each); false = none.
+    shuffle: bool | Literal["none", "blocks", "rows", "window"] = False
+    shuffle_window: int = 1 << 20  # rows per window of shuffle = "window" (8 bytes of index a row)
+    drop_last: bool = False  # true: an epoch ends before its short last batch (those rows are not trained on)
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -96,7 +101,8 @@ class TrainConfig:
         """Counts in range, something to train, a device of the right form; with ``check_device`` a CUDA
         ``device`` must exist on this machine. Errors name the field."""
         for name, low in (("epochs", 0), ("max_steps", 0), ("eval_every", 0), ("log_every", 1),
-                          ("checkpoint_every", 0), ("keep_checkpoints", 0), ("threads", 0), ("seed", 0)):
+                          ("checkpoint_every", 0), ("keep_checkpoints", 0), ("threads", 0), ("seed", 0),
+                          ("shuffle_window", 1)):
             if getattr(self, name) < low:  # keep_checkpoints 0 = keep all
                 raise ConfigError(f"train.{name}: must be >= {low}, got {getattr(self, name)}")
         if self.seed > 2**32 - 1:  # numpy's seed range

@@ -32,7 +32,7 @@ from recstack.distributed import agreement, parallelize
 from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config
-from recstack.errors import PeerFailure
+from recstack.errors import ConfigError, PeerFailure
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.checkpointer import Checkpointer
@@ -80,7 +80,7 @@ class Trainer:
         self.model: DLRM = build_model(
             cfg.model, sparse_optimizer_config(cfg.optim), len(self.train_ds.dense_features), self.table_sizes,
             seed=t.seed, device=self.device, names=self.train_ds.table_names, memory=cfg.memory,
-            tables_on_meta=self.world > 1)
+            tables_on_meta=self.world > 1, zero_rows=[s.reserved_rows for s in self.train_ds.sparse_features])
         self.compression = CompressionRuntime(cfg.compression, cfg.dist.forward_codec, cfg.dist.backward_codec,
                                               cfg.train.batch_size, self.output_dir, self.rank, self.world)
         self.net: torch.nn.Module = self.model  # what the step calls: the model, or DDP around it
@@ -132,10 +132,16 @@ class Trainer:
         self.table_sizes = capped_table_sizes(self.train_ds.table_sizes, cfg.model.max_table_size)
         caps = self.table_sizes if cfg.model.max_table_size > 0 else None
         self.train_loader = BatchLoader(self.train_ds, t.batch_size, train_range, shuffle=t.shuffle, seed=t.seed,
-                                        table_caps=caps, rank=self.rank, world_size=self.world)
+                                        drop_last=t.drop_last, table_caps=caps, rank=self.rank, world_size=self.world,
+                                        shuffle_window=t.shuffle_window)
         if len(self.train_loader) == 0:
-            raise ValueError(f"{self.train_ds.path}: {train_range[1] - train_range[0]} training rows give no full "
-                             f"batch of {t.batch_size}")
+            raise ValueError(f"{self.train_ds.path}: {train_range[1] - train_range[0]} training rows give no "
+                             f"{'full ' if t.drop_last else ''}batch of {t.batch_size}")
+        rows, gb = train_range[1] - train_range[0], self.train_loader.global_batch_size
+        if cfg.model.mlp_norm == "batch" and not t.drop_last and rows % gb == 1:  # batch norm needs 2 rows a batch
+            raise ConfigError(f"model.mlp_norm = \"batch\": the {rows} training rows end each epoch with a batch of "
+                              f"one row (global batch {gb}), which batch normalisation cannot train on; set "
+                              "train.drop_last = true or another train.batch_size")
         self.eval_loader = BatchLoader(self.eval_ds, t.eval_batch_size, eval_range, drop_last=False, table_caps=caps,
                                        extras=("probability",), rank=self.rank, world_size=self.world)
 
@@ -175,9 +181,7 @@ class Trainer:
             print("resume: no checkpoint found, starting from scratch")
             return
         if not self.cfg.train.max_steps:  # train.epochs: the epochs left, in batches of the size used now
-            pos, per_epoch = self.train_loader.position, len(self.train_loader)
-            left = self.cfg.train.epochs * per_epoch - (pos.epoch * per_epoch + pos.batch)
-            self.total_steps = self.step + max(0, left)
+            self.total_steps = self.step + self.train_loader.batches_until(self.cfg.train.epochs)
         print(f"resume: continuing from {state['path']} (step {self.step})")
         m = self.monitor
         if self.lr is not None:
@@ -199,7 +203,13 @@ class Trainer:
         return optimizer_step(self._loss, self.optimizer, batch, self.device)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
-        return F.binary_cross_entropy_with_logits(self.net(batch), batch.labels)
+        """The mean BCE over the global batch's rows. Every rank's loss is averaged over the ranks (DDP for the
+        dense part, 1/W in the tables' backward), so a rank whose share of a short global batch of G rows differs
+        from G / W (or is empty) weighs its sum by W / G instead of taking its own mean."""
+        logits, g = self.net(batch), batch.global_rows
+        if g is None or g == batch.batch_size * self.world:
+            return F.binary_cross_entropy_with_logits(logits, batch.labels)
+        return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * (self.world / g)
 
     def train(self) -> dict[str, Any]:
         """-> the summary (``summary.json``). Under torchrun a failed collective is a PeerFailure."""
@@ -238,7 +248,7 @@ class Trainer:
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"step {p.step + 1}: loss is {loss}; lower the learning rates")
                 p.step += 1
-                p.samples += batch.batch_size * self.world  # global samples
+                p.samples += batch.global_rows or batch.batch_size * self.world  # global samples
                 window_loss += loss
                 window_n += 1
                 bar.update(1)

@@ -109,3 +109,38 @@ def test_cli_inspect_and_infer(files: dict, tmp_path: Path, capsys: pytest.Captu
     assert main(["data", "inspect", str(files["parquet"]), "--infer-schema", "-"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("# Inferred") and schema_from_dict(tomllib.loads(printed)) == inferred
+
+
+def test_format_option_reads_a_libfm_file_without_a_libfm_name(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    labels, idx, _ = frappe_like(300, seed=5)
+    path = write_libfm(tmp_path / "f.libfm", labels, idx).rename(tmp_path / "frappe.txt")
+    assert main(["data", "inspect", str(path)]) == 2  # the name says nothing: the error points at --format
+    assert "--format" in capsys.readouterr().err
+    assert main(["data", "inspect", str(path), "--format", "libfm"]) == 0
+    out = capsys.readouterr().out
+    assert "libfm, 300 rows" in out and "field9" in out
+
+
+def test_inspect_suggests_the_recipe_of_the_layout(files: dict, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    labels, idx, _ = frappe_like(300, seed=5)
+    libfm = write_libfm(tmp_path / "f.libfm", labels, idx)
+    cases = [([str(libfm)], "configs/recipes/categorical.toml"),
+             ([str(files["parquet"])], "configs/recipes/ratings_history.toml")]  # genres and history lists
+    sch = load_schema(REPO / "configs" / "schemas" / "ratings_parquet.toml")
+    prepare_dataset(sch, [files["parquet"]], tmp_path / "p", progress=False)
+    cases.append(([str(tmp_path / "p" / "train")], "configs/recipes/ratings_history.toml"))
+    criteo_schema = REPO / "configs" / "schemas" / "criteo_csv.toml"
+    rows = ["label," + ",".join(f"I{i}" for i in range(1, 14)) + "," + ",".join(f"C{i}" for i in range(1, 27))]
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        rows.append(f"{rng.integers(2)}," + ",".join(str(rng.integers(100)) for _ in range(13)) + ","
+                    + ",".join(f"{rng.integers(1 << 30):08x}" for _ in range(26)))
+    csv = tmp_path / "criteo.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    cases.append(([str(csv), "--schema", str(criteo_schema)], "configs/recipes/criteo.toml"))
+    for args, recipe in cases:
+        assert main(["data", "inspect", *args]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("suggested recipe"))
+        assert f"--config {recipe} " in line and (REPO / recipe).is_file()

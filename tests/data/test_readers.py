@@ -63,13 +63,13 @@ def test_parquet_csv_tsv_prepare_identically(ratings: dict) -> None:
             for k in ref:
                 np.testing.assert_array_equal(got[k], ref[k], err_msg=f"{fmt} {split} {k}")
     meta = json.loads((d / "prep_parquet" / "train" / "meta.json").read_text())
-    assert meta["sparse_features"] == [
-        {"name": "user", "num_embeddings": meta["sparse_features"][0]["num_embeddings"]},
-        {"name": "movie", "num_embeddings": meta["info"]["tables"]["movie"], "table": "movie"},
+    assert meta["sparse_features"] == [  # reserved: missing (+ out of vocabulary for vocab tables)
+        {"name": "user", "num_embeddings": meta["sparse_features"][0]["num_embeddings"], "reserved_rows": 2},
+        {"name": "movie", "num_embeddings": meta["info"]["tables"]["movie"], "table": "movie", "reserved_rows": 2},
         {"name": "history", "num_embeddings": meta["info"]["tables"]["movie"], "multi_hot": True,
-         "table": "movie", "pooling": "mean"},
-        {"name": "genres", "num_embeddings": 64, "multi_hot": True},
-        {"name": "device", "num_embeddings": 5},
+         "table": "movie", "pooling": "mean", "reserved_rows": 2},
+        {"name": "genres", "num_embeddings": 64, "multi_hot": True, "reserved_rows": 1},
+        {"name": "device", "num_embeddings": 5, "reserved_rows": 2},
     ]
 
 

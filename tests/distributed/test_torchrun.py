@@ -189,3 +189,25 @@ def test_eval_and_predict_read_a_sharded_checkpoint(tiny_dataset: Path, tmp_path
     assert main(["eval", "--checkpoint", str(run)]) == 2
     err = capsys.readouterr().err
     assert f"{step_dir}: its tables could not be read" in err, err
+
+
+@pytest.mark.parametrize("shuffle", ["rows", "window"])
+def test_short_last_batch_and_row_shuffle_match_single(tmp_path: Path, shuffle: str) -> None:
+    """2561 training rows in global batches of 128: each epoch ends with a batch of one row, which leaves rank 0
+    without rows. Shuffled per row, for 2 epochs, with a resume in the middle of the second: two ranks train
+    every row once per epoch in the same global batches as one process and give its result."""
+    from conftest import write_tiny_dataset
+
+    data = write_tiny_dataset(tmp_path / "data", rows=2845)  # data.eval_fraction 0.1: 284 eval, 2561 training
+    opts = ["train.epochs=2", f'train.shuffle="{shuffle}"', "train.shuffle_window=500", 'dist.sharding="row_wise"',
+            'optim.sparse="rowwise_adagrad"']
+    one = _train(RECSTACK, data, tmp_path / "one", ["train.batch_size=128", *opts, "train.max_steps=0"])
+    run = tmp_path / "two"
+    _train(TORCHRUN, data, run, ["train.batch_size=64", *opts, "train.max_steps=30", "train.checkpoint_every=30"])
+    res = run_cli(train_args(run, data, [*COMMON, "train.batch_size=64", *opts, "train.max_steps=0"], "--resume"),
+                  launcher=TORCHRUN)
+    assert res.returncode == 0, res.stderr[-3000:]
+    two = json.loads((run / "summary.json").read_text())
+    assert one["steps"] == two["steps"] == 2 * 21 and one["train_samples"] == two["train_samples"] == 2 * 2561
+    for k in ("auc", "logloss", "ne"):
+        assert two[k] == pytest.approx(one[k], abs=1e-5), k

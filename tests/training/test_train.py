@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import REPO, SMALL, kill_after_checkpoints, run_cli, small_config, train_args, train_steps
 
 from recstack.cli.main import main
@@ -337,9 +339,18 @@ def test_override_sets_one_key_of_a_table() -> None:
 
 
 def test_configs_in_repo_load() -> None:
-    for path in REPO.joinpath("configs").glob("*.toml"):
+    recipes = sorted(REPO.joinpath("configs", "recipes").glob("*.toml"))
+    assert [p.name for p in recipes] == ["categorical.toml", "criteo.toml", "ratings_history.toml"]
+    for path in [*REPO.joinpath("configs").glob("*.toml"), *recipes]:
         if not path.name.startswith("exfm_"):  # `recstack exfm run` configs have their own schema
             load_config(path)
+
+
+def test_criteo_recipe_is_the_reference_kaggle_setup() -> None:
+    """configs/recipes/criteo.toml and configs/criteo_kaggle.toml differ only in where the data is."""
+    recipe, kaggle = load_config(REPO / "configs/recipes/criteo.toml"), load_config(REPO / "configs/criteo_kaggle.toml")
+    assert recipe.model == kaggle.model and recipe.optim == kaggle.optim
+    assert recipe.train.batch_size == kaggle.train.batch_size and recipe.train.epochs == kaggle.train.epochs
 
 
 def _records(path: Path) -> list[tuple]:
@@ -401,38 +412,43 @@ def test_eval_without_data_scores_the_rows_the_run_evaluated(tiny_dataset: Path,
 
 def test_resume_with_another_batch_size_continues_at_the_same_row(tiny_dataset: Path, tmp_path: Path,
                                                                   stop_at) -> None:
-    """The position is kept in rows: 100 batches of 64 done -> the next batch of 128 starts at row 6400, and
-    train.epochs still ends after one pass over the training rows."""
+    """The position is kept in rows: 100 batches of 64 done -> the next batch of 128 (or 96) starts at row 6400,
+    and train.epochs still ends after one pass over the 18000 training rows, its short last batch included."""
     from recstack.data.format import PreparedDataset
 
     data = [f'data.train="{tiny_dataset}"', *SMALL, "train.epochs=1", "train.checkpoint_every=50"]
     stop_at(Trainer(load_config(None, data), tmp_path), 100)
     wider = [*data, "train.batch_size=128"]
-    for bad, match in ((["train.shuffle=true"], "another permutation"),
-                       (["train.batch_size=96"], "6400 rows done in epoch 0 are not a whole number of batches of 96")):
-        with pytest.raises(ConfigError, match=match):
-            Trainer(load_config(None, [*wider, *bad]), tmp_path, resume=True)
-    t = Trainer(load_config(None, wider), tmp_path, resume=True)
-    assert (t.step, t.train_loader.position.batch, t.total_steps) == (100, 50, 100 + 140 - 50)
-    first: list = []
-    train_step = t.train_step
+    with pytest.raises(ConfigError, match="train.shuffle changed from 'none' to 'blocks' in the middle of epoch 0"):
+        Trainer(load_config(None, [*wider, "train.shuffle=true"]), tmp_path, resume=True)
+    labels = np.asarray(PreparedDataset(tiny_dataset).column("labels"))
+    for batch, steps in ((96, -(-11600 // 96)), (128, -(-11600 // 128))):
+        out = tmp_path / f"b{batch}"
+        shutil.copytree(tmp_path, out, ignore=shutil.ignore_patterns("b*"))
+        t = Trainer(load_config(None, [*data, f"train.batch_size={batch}"]), out, resume=True)
+        assert (t.step, t.train_loader.position, t.total_steps) == (100, LoaderPosition(0, 6400), 100 + steps)
+        seen: list = []
+        train_step = t.train_step
 
-    def record(batch):
-        first.append(batch.labels.clone()) if not first else None
-        return train_step(batch)
+        def record(b, seen=seen, train_step=train_step):
+            seen.append(b.labels.clone())
+            return train_step(b)
 
-    t.train_step = record
-    s = t.train()
-    labels = np.asarray(PreparedDataset(tiny_dataset).column("labels")[6400:6528])
-    assert np.array_equal(first[0].numpy(), labels)
-    assert s["train_samples"] == 100 * 64 + 90 * 128 and s["steps"] == 190
+        t.train_step = record
+        s = t.train()
+        assert np.array_equal(torch.cat(seen).numpy(), labels[6400:18000])  # every row left, once, in order
+        assert s["train_samples"] == 18000 and s["steps"] == 100 + steps
 
-    # A finished epoch carries over under shuffle too: the next one starts with batches of the new size.
+    # Shuffled blocks are another permutation for another batch size: refused in the middle of an epoch ...
     shuffled = [f'data.train="{tiny_dataset}"', *SMALL, "train.epochs=1", "train.shuffle=true"]
+    stop_at(Trainer(load_config(None, [*shuffled, "train.checkpoint_every=50"]), tmp_path / "mid"), 50)
+    with pytest.raises(ConfigError, match="another permutation"):
+        Trainer(load_config(None, [*shuffled, "train.batch_size=128"]), tmp_path / "mid", resume=True)
+    # ... and a finished epoch carries over: the next one starts with batches of the new size.
     Trainer(load_config(None, shuffled), tmp_path / "epoch").train()
     t = Trainer(load_config(None, [*shuffled, "train.epochs=2", "train.batch_size=128"]), tmp_path / "epoch",
                 resume=True)
-    assert (t.step, t.train_loader.position, t.total_steps) == (281, LoaderPosition(1, 0), 281 + 140)
+    assert (t.step, t.train_loader.position, t.total_steps) == (282, LoaderPosition(1, 0), 282 + 141)
 
 
 def test_version_is_the_package_version(capsys: pytest.CaptureFixture) -> None:

@@ -154,3 +154,19 @@ def test_undefined_metrics_are_null_in_summary_json(tmp_path: Path) -> None:
     assert math.isnan(s["auc"])
     summary = _strict_json((tmp_path / "run" / "summary.json").read_text())
     assert summary["auc"] is None and summary["eval_examples"] == 100
+
+
+def test_a_last_batch_of_one_row_with_batch_norm_is_refused(tmp_path: Path) -> None:
+    """129 training rows in batches of 64 end with one row, on which batch normalisation cannot train: an error
+    naming the options instead of a failure at the end of the first epoch; with train.drop_last it trains."""
+    from conftest import SMALL, write_tiny_dataset
+
+    from recstack.config import load_config
+    from recstack.errors import ConfigError
+
+    data = write_tiny_dataset(tmp_path / "d", rows=129)
+    opts = [f'data.train="{data}"', *SMALL, "data.eval_fraction=0", 'model.mlp_norm="batch"']
+    with pytest.raises(ConfigError, match="train.drop_last = true"):
+        Trainer(load_config(None, opts), tmp_path / "a")
+    summary = Trainer(load_config(None, [*opts, "train.drop_last=true"]), tmp_path / "b").train()
+    assert summary["steps"] == 2 and summary["train_samples"] == 128

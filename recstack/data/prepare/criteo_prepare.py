@@ -160,7 +160,10 @@ def prepare_criteo(
         table_sizes = [max_ind_range] * NUM_SPARSE
         mapping = {"mode": "hash", "max_ind_range": max_ind_range, "formula": "raw % max_ind_range"}
 
-    specs = [SparseFeatureSpec(name, size) for name, size in zip(SPARSE_NAMES, table_sizes, strict=True)]
+    # Vocabulary ids: row 0 is missing, rare and unseen (starts at zero in a new model); hashed ids have none.
+    reserved = 1 if vocab_min_freq is not None else 0
+    specs = [SparseFeatureSpec(name, size, reserved_rows=reserved)
+             for name, size in zip(SPARSE_NAMES, table_sizes, strict=True)]
     bad_rows: list[BadRow] = []
     skipped = dropped = 0
     per_input: list[int] = []

@@ -354,7 +354,7 @@ class Encoder:
         shared = {t for t, fs in self.schema.tables().items() if len(fs) > 1}
         return [
             SparseFeatureSpec(s.name, self.num_embeddings(s), s.multi_hot, s.table if s.table_name in shared else "",
-                              s.pooling, bool(s.weight_column))
+                              s.pooling, bool(s.weight_column), RESERVED_ROWS[s.encoding])
             for s in self.schema.sparse
         ]
 

@@ -23,6 +23,7 @@ from recstack.data.prepare.columns import as_text, hash_strings, to_bag
 from recstack.data.prepare.readers import BadRowLog, LibfmSource, expand_inputs, open_source
 from recstack.data.prepare.readers.base import open_binary, report_in_order
 from recstack.data.prepare.schema import LabelSpec, SourceSpec, detect_format
+from recstack.data.synth.zipf import fit_zipf_exponent
 
 EXACT_LIMIT = 200_000
 TOP_LIMIT = 50_000
@@ -254,7 +255,9 @@ class PreparedReport:
 def inspect_prepared(path: str | Path, max_table_size: int = 0, embedding_dim: int = 16,
                      chunk_rows: int = 1 << 20) -> PreparedReport:
     """Rows, label rate, per-feature statistics and the embedding tables a model built on ``path`` gets
-    (after ``model.max_table_size``), with their memory at ``embedding_dim`` float32 columns."""
+    (after ``model.max_table_size``), with their memory at ``embedding_dim`` float32 columns. Features of up
+    to 50M rows also get the Zipf exponent of their value counts (``zipf``, ``fit_zipf_exponent``), and each
+    table that of its features' counts together (``recstack plan --zipf-from`` sizes caches with it)."""
     from recstack.data.format import PreparedDataset, capped_table_sizes
 
     ds = PreparedDataset(path)
@@ -271,8 +274,9 @@ def inspect_prepared(path: str | Path, max_table_size: int = 0, embedding_dim: i
     caps = capped_table_sizes(ds.table_sizes, max_table_size)
     schema_reader = ds.info.get("reader") == "schema"
     sparse: list[dict[str, Any]] = []
+    table_counts: dict[str, np.ndarray] = {}
     for s, col, cap in zip(ds.sparse_features, ds.sparse_column, caps, strict=True):
-        used = np.zeros(s.num_embeddings, bool) if s.num_embeddings <= 50_000_000 else None
+        used = np.zeros(s.num_embeddings, np.int64) if s.num_embeddings <= 50_000_000 else None  # value counts
         zeros = bag_total = 0
         for i in range(0, n, chunk_rows):
             j = min(n, i + chunk_rows)
@@ -284,12 +288,17 @@ def inspect_prepared(path: str | Path, max_table_size: int = 0, embedding_dim: i
             bag_total += len(ids)
             zeros += int((ids == 0).sum())
             if used is not None:
-                used[ids] = True
+                values, counts = np.unique(ids, return_counts=True)
+                used[values] += counts
+        if used is not None:
+            seen = table_counts.get(s.table_name)
+            table_counts[s.table_name] = used if seen is None or len(seen) != len(used) else seen + used
         sparse.append({
             "name": s.name, "table": s.table_name, "rows": s.num_embeddings, "model_rows": cap,
             "multi_hot": s.multi_hot, "pooling": s.pooling, "mean_ids": bag_total / n if n else 0.0,
-            "used_rows": int(used.sum()) if used is not None else None,
+            "used_rows": int((used > 0).sum()) if used is not None else None,
             "missing_share": zeros / bag_total if schema_reader and bag_total else None,
+            "zipf": fit_zipf_exponent(used) if used is not None else None,
         })
     tables: dict[str, dict[str, Any]] = {}
     for f in sparse:
@@ -297,6 +306,7 @@ def inspect_prepared(path: str | Path, max_table_size: int = 0, embedding_dim: i
         t["features"].append(f["name"])
     for t in tables.values():
         t["mib"] = t["rows"] * embedding_dim * 4 / 2**20
+        t["zipf"] = fit_zipf_exponent(table_counts[t["name"]]) if t["name"] in table_counts else None
     return PreparedReport(Path(path), n, pos / n if n else 0.0, dense, sparse, list(tables.values()), ds.info)
 
 
@@ -336,8 +346,11 @@ def format_prepared_report(r: PreparedReport) -> str:
         kind = f"multi-hot ({s['pooling']}, {s['mean_ids']:.2f} ids/row)" if s["multi_hot"] else "single"
         used = f", {s['used_rows']:,} rows used" if s["used_rows"] is not None else ""
         miss = f", {_pct(s['missing_share'])} missing" if s["missing_share"] is not None else ""
-        lines.append(f"  sparse {s['name']:<20} table {s['table']:<16} {s['rows']:>11,} rows{used}{miss}, {kind}")
+        zipf = f", Zipf {s['zipf']:.2f}" if s.get("zipf") is not None else ""
+        lines.append(f"  sparse {s['name']:<20} table {s['table']:<16} {s['rows']:>11,} rows{used}{miss}, {kind}{zipf}")
     lines.append("embedding tables the model gets:")
     for t in r.tables:
-        lines.append(f"  {t['name']:<20} {t['rows']:>11,} rows  {t['mib']:>9.1f} MiB  <- {', '.join(t['features'])}")
+        zipf = f"  Zipf {t['zipf']:.2f}" if t.get("zipf") is not None else ""
+        lines.append(f"  {t['name']:<20} {t['rows']:>11,} rows  {t['mib']:>9.1f} MiB{zipf}  "
+                     f"<- {', '.join(t['features'])}")
     return "\n".join(lines)

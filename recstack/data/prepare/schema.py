@@ -341,7 +341,8 @@ def detect_format(path: str | Path, spec: SourceSpec | None = None) -> str:
         if suf in _SUFFIXES:
             return _SUFFIXES[suf]
     raise SchemaError(
-        f"{p}: cannot tell the format from the name; set [source] format = one of {', '.join(FORMATS)}"
+        f"{p}: cannot tell the format from the name; set [source] format = one of {', '.join(FORMATS)} in "
+        f"the schema (`recstack data inspect`: --format)"
     )
 
 

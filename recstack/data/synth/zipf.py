@@ -111,6 +111,20 @@ def zipf_mass_below(rank: np.ndarray, n: int, exponent: float) -> np.ndarray:
     return (x**a - 1.0) / (top**a - 1.0)
 
 
+def fit_zipf_exponent(counts: np.ndarray, min_count: int = 10, points: int = 64) -> float:
+    """Zipf exponent of observed value counts [n] (any order): minus the least-squares slope of log count
+    against log rank, clipped at 0. The fit uses ``points`` log-spaced ranks among the values seen at least
+    ``min_count`` times (each decade of ranks weighs alike, and the tail's counts of 1 and 2, which flatten
+    every finite sample, are left out); 0 when fewer than two ranks qualify."""
+    c = np.sort(np.asarray(counts, dtype=np.float64))[::-1]
+    c = c[c >= min_count]
+    if len(c) < 2:
+        return 0.0
+    ranks = np.unique(np.round(np.geomspace(1, len(c), points)).astype(np.int64))
+    slope = np.polyfit(np.log(ranks.astype(np.float64)), np.log(c[ranks - 1]), 1)[0]
+    return max(0.0, float(-slope))
+
+
 class IdPermutation:
     """A keyed pseudo-random bijection of [0, n), so the most popular ranks land on scattered ids.
 
@@ -172,6 +186,7 @@ class IdPermutation:
 __all__ = [
     "IdPermutation",
     "approx_normal",
+    "fit_zipf_exponent",
     "keyed",
     "mix64",
     "scalar_key",

@@ -1,9 +1,12 @@
 """Sharding planner for hybrid-parallel training: per-table sharding type and ranks that minimise the
-slowest rank's predicted step time (``cost.py``) under device memory limits (``partition.py``)."""
+slowest rank's predicted step time (``cost.py``) under device memory limits (``partition.py``), with shards
+kept in host memory or on SSD behind device caches where device memory is short (``storage.py``,
+``hit_rate.py``, ``tiers.py``)."""
 
 from recstack.distributed.planner.cost import TERMS, CostConfig, CostModel, Estimate
 from recstack.distributed.planner.partition import plan_sharding
 from recstack.distributed.planner.report import render_plan
+from recstack.distributed.planner.storage import TIERS, ShardStorage, TierBudgets
 from recstack.distributed.planner.types import (
     PlanError,
     PlanPlacements,
@@ -14,6 +17,6 @@ from recstack.distributed.planner.types import (
 )
 
 __all__ = [
-    "TERMS", "CostConfig", "CostModel", "Estimate", "PlanError", "PlanPlacements", "ShardingPlan", "TableSharding",
-    "TableSpec", "Topology", "plan_sharding", "render_plan",
+    "TERMS", "TIERS", "CostConfig", "CostModel", "Estimate", "PlanError", "PlanPlacements", "ShardStorage",
+    "ShardingPlan", "TableSharding", "TableSpec", "TierBudgets", "Topology", "plan_sharding", "render_plan",
 ]

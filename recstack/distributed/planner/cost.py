@@ -43,6 +43,17 @@ data_parallel, on every rank, for its own B samples:
 
 Memory (HBM) per shard: rows_s * (c*w + s); data_parallel also keeps the dense gradient buffer, R * D * w.
 
+Storage tiers (``storage.py``). A ``host-cached`` or ``ssd-cached`` shard keeps C = cache_rows rows in HBM,
+C * (c*w + s) bytes, and all rows_s * (c*w + s) in host memory or on SSD. Its lookup and backward terms stay
+(the cache is in HBM) and one term joins them:
+    cache_miss = m * 2 * (c*w + s) / pcie_bw   (+ m * 2 * (c*w + s) / ssd_bw for an ssd-cached shard)
+m is the expected number of distinct rows a step requests that are not resident (``hit_rate.py``: Zipf ids of
+the table's exponent, the cache's policy, G * P ids of the table per step, the shard's rows_s / R share of the
+rows); each miss reads the row and its optimizer state and, training having updated every row it read, writes
+back the row it evicts: two rows over the host link, and over the SSD for an SSD shard (the two transfers are
+not overlapped). ``pcie_bw`` and ``ssd_bw`` are the topology's (assumptions: 25 GB/s per device, 2 GB/s per rank).
+data_parallel tables always stay on the device.
+
 u: ids are independent draws. A bucket of r rows that receives n ids (uniform inside the bucket) has
 r * (1 - exp(-n / r)) distinct rows touched in expectation; a shard sums this over the access-count buckets
 it overlaps, with n = G * P * (bucket's share of the counts).
@@ -52,33 +63,40 @@ batch's volume for the shard, while every peer carries a B-sized slice. The slic
 left out, as are latencies and the overlap of the next batch's input distribution with compute: the model
 ranks plans, it is not a timer.
 
-Storage tiers: every shard lives in HBM today. An HBM cache over host memory (a later feature) becomes one
-more way to store a shard: an :class:`Estimate` with a host-memory array beside ``hbm`` (checked per host
-against ``Topology.ddr_bytes`` in ``partition.py``), and lookup / backward terms priced by the cache hit
-rate and host memory bandwidth.
+Prefetching the next batch's rows overlaps cache misses with compute in training; the model charges them in
+full, like the other terms.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from recstack.distributed.planner.hit_rate import POLICIES, SYNTH_ZIPF_EXPONENT, CacheEstimate, estimate_cache
+from recstack.distributed.planner.storage import (
+    BUDGETS,
+    OPTIMIZER_STATE_BYTES,
+    ShardStorage,
+    row_bytes,
+    shard_bytes,
+)
 from recstack.distributed.planner.types import PlanError, TableSharding, TableSpec, Topology
 from recstack.distributed.sharding import SHARDING_TYPES, shard_blocks
 
-TERMS = ("input_dist", "lookup", "output_dist", "grad_dist", "backward", "allreduce")
+TERMS = ("input_dist", "lookup", "output_dist", "grad_dist", "backward", "allreduce", "cache_miss")
 COMM_TERMS = ("input_dist", "output_dist", "grad_dist", "allreduce")
-OPTIMIZER_STATE_BYTES = {"sgd": 0, "rowwise_adagrad": 4}  # per row and shard
 
 
 @dataclass(frozen=True)
 class CostConfig:
     """Element sizes in bytes and the sparse optimizer (its per-row state is stored with each shard).
     ``fwd_row_bytes`` / ``bwd_row_bytes``: what the all-to-all codec adds to every row (fp8's scale, int8's
-    min and scale), on top of ``*_comm_bytes`` per element."""
+    min and scale), on top of ``*_comm_bytes`` per element. ``cache_policy`` and ``zipf_exponent`` (of
+    tables whose spec gives none) set the hit rates of cached shards."""
 
     weight_bytes: int = 4
     fwd_comm_bytes: int = 4
@@ -87,10 +105,16 @@ class CostConfig:
     optimizer: str = "rowwise_adagrad"
     fwd_row_bytes: int = 0
     bwd_row_bytes: int = 0
+    cache_policy: str = "lru"
+    zipf_exponent: float = SYNTH_ZIPF_EXPONENT
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise PlanError(f"optimizer {self.optimizer!r}: expected one of {sorted(OPTIMIZER_STATE_BYTES)}")
+        if self.cache_policy not in POLICIES:
+            raise PlanError(f"cache policy {self.cache_policy!r}: expected one of {', '.join(POLICIES)}")
+        if not 0 <= self.zipf_exponent < float("inf"):
+            raise PlanError(f"Zipf exponent must be a non-negative number, got {self.zipf_exponent!r}")
         for name in ("weight_bytes", "fwd_comm_bytes", "bwd_comm_bytes", "index_bytes"):
             if getattr(self, name) <= 0:
                 raise PlanError(f"cost config: {name} must be positive")
@@ -109,11 +133,25 @@ class Estimate:
 
     terms: np.ndarray  # [k, len(TERMS)] seconds per step, on the shard's rank
     hbm: np.ndarray    # [k] bytes of device memory
+    host: np.ndarray | None = None  # [k] bytes of host memory (None: none)
+    ssd: np.ndarray | None = None   # [k] bytes of SSD
+    hit_rate: np.ndarray | None = None  # [k] predicted cache hit rate per distinct row (nan: a device shard)
+    storage: tuple[ShardStorage | None, ...] = field(default=())  # per shard; () = all on the device
 
     @property
     def cost(self) -> np.ndarray:
         """[k] seconds per step of each shard."""
         return self.terms.sum(axis=1)
+
+    def memory(self) -> np.ndarray:
+        """[len(BUDGETS), k] bytes of device memory, host memory and SSD of each shard."""
+        zero = np.zeros_like(self.hbm)
+        return np.stack([self.hbm, zero if self.host is None else self.host, zero if self.ssd is None else self.ssd])
+
+
+@lru_cache(maxsize=4096)
+def _cache(rows: int, exponent: float, cache_rows: int, ids: float, policy: str, fraction: float) -> CacheEstimate:
+    return estimate_cache(rows, exponent, cache_rows, ids, policy, fraction)
 
 
 def row_access(table: TableSpec, blocks: Sequence[tuple[int, int]], n_ids: float) -> tuple[np.ndarray, np.ndarray]:
@@ -158,9 +196,46 @@ class CostModel:
         """Reduce-scatter (or all-gather) of ``nbytes`` among k ranks of one node (seconds per rank)."""
         return (k - 1) / k * nbytes / self.topology.intra_bw
 
-    def estimate(self, table: TableSpec, sharding: str, k: int) -> Estimate:
-        """Cost and memory of the k shards of ``table`` under ``sharding`` (formulas: module docstring).
-        table_wise takes k = 1 and data_parallel k = W whatever ``k`` says."""
+    def estimate(self, table: TableSpec, sharding: str, k: int,
+                 storage: Sequence[ShardStorage | None] | None = None) -> Estimate:
+        """Cost and memory of the k shards of ``table`` under ``sharding`` (formulas: module docstring), each
+        on the device or as ``storage`` says (per shard, in shard order). table_wise takes k = 1 and
+        data_parallel k = W whatever ``k`` says."""
+        est = self._device(table, sharding, k)
+        if storage is None or not any(storage):
+            return est
+        if sharding == "data_parallel":
+            raise PlanError(f"table {table.name!r}: data_parallel tables stay on the device")
+        if len(storage) != len(est.hbm):
+            raise PlanError(f"table {table.name!r}: {len(storage)} storage entries for {len(est.hbm)} shards")
+        return self._tiered(table, sharding, est, tuple(storage))
+
+    def cache_estimate(self, rows: int, exponent: float, cache_rows: int, ids: float, fraction: float) -> CacheEstimate:
+        """``hit_rate.estimate_cache`` under this config's cache policy (memoised: many tables share a shape)."""
+        return _cache(rows, float(exponent), int(cache_rows), float(ids), self.config.cache_policy, float(fraction))
+
+    def _tiered(self, table: TableSpec, sharding: str, est: Estimate,
+                storage: tuple[ShardStorage | None, ...]) -> Estimate:
+        cfg, topo = self.config, self.topology
+        rects = shard_blocks(sharding, table.rows, table.dim, len(storage))
+        ids = self.batch * topo.world_size * table.pooling
+        exponent = cfg.zipf_exponent if table.zipf is None else table.zipf
+        terms, mem = est.terms.copy(), est.memory().copy()
+        hit = np.full(len(storage), np.nan)
+        for j, ((r0, r1, c0, c1), st) in enumerate(zip(rects, storage, strict=True)):
+            if st is None:
+                continue
+            rows, rb = r1 - r0, row_bytes(c1 - c0, cfg.weight_bytes, cfg.state_bytes)
+            c = self.cache_estimate(table.rows, exponent, st.cache_rows, ids, rows / table.rows)
+            moved = c.misses * 2 * rb
+            terms[j, TERMS.index("cache_miss")] = moved / topo.pcie_bw + (moved / topo.ssd_bw if st.tier ==
+                                                                           "ssd-cached" else 0.0)
+            used = shard_bytes(rows, c1 - c0, st, cfg.weight_bytes, cfg.state_bytes)
+            mem[:, j] = [used[b] for b in BUDGETS]
+            hit[j] = c.hit_rate
+        return Estimate(terms, mem[0], mem[1], mem[2], hit, storage)
+
+    def _device(self, table: TableSpec, sharding: str, k: int) -> Estimate:
         cfg, topo, B = self.config, self.topology, self.batch
         G, R, D, P = B * topo.world_size, table.rows, table.dim, table.pooling
         w, s, bw = cfg.weight_bytes, cfg.state_bytes, topo.hbm_bw
@@ -200,17 +275,22 @@ class CostModel:
         mean, compute and communication per rank, each term per rank, HBM bytes per rank."""
         W = self.topology.world_size
         terms = np.zeros((W, len(TERMS)))
-        hbm = np.zeros(W, dtype=np.int64)
+        memory = np.zeros((len(BUDGETS), W), dtype=np.int64)
         specs = {t.name: t for t in tables}
         for e in entries:
-            est = self.estimate(specs[e.name], e.sharding, len(e.ranks))
+            est = self.estimate(specs[e.name], e.sharding, len(e.ranks), e.shard_storage())
             np.add.at(terms, e.ranks, est.terms)
-            np.add.at(hbm, e.ranks, est.hbm)
-        return _summarize(terms, hbm, self.config)
+            for i, m in enumerate(est.memory()):
+                np.add.at(memory[i], e.ranks, m)
+        out = _summarize(terms, memory[0], self.config)
+        out["host_bytes_per_rank"] = [int(b) for b in memory[1]]
+        out["ssd_bytes_per_rank"] = [int(b) for b in memory[2]]
+        return out
 
 
 def _summarize(terms: np.ndarray, hbm: np.ndarray, config: CostConfig) -> dict[str, Any]:
-    """terms [W, len(TERMS)] seconds, hbm [W] bytes -> the plan's cost dictionary."""
+    """terms [W, len(TERMS)] seconds, hbm [W] bytes -> the plan's cost dictionary (the cache-miss traffic
+    counts as compute: it is not the network's)."""
     per_rank = terms.sum(axis=1)
     comm = terms[:, [TERMS.index(n) for n in COMM_TERMS]].sum(axis=1)
     mx, mean = float(per_rank.max()), float(per_rank.mean())

@@ -25,6 +25,9 @@
    meets the lower bound (mean of the cheapest options; each table's smallest slowest shard). The best few
    distinct plans then also get step (c) and the best wins. If no greedy start fits in memory, the search
    starts from each table's smallest-footprint option.
+6. Storage tiers (``tiers=True``): if the tables do not fit in device memory, the same search runs over
+   host-cached and ssd-cached options (``tiers.py``), each rank holding device memory, host memory and SSD
+   (``Topology.budgets``); every placement checks all three.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from recstack.distributed.planner.cost import CostConfig, CostModel
+from recstack.distributed.planner.cost import CostConfig, CostModel, Estimate
+from recstack.distributed.planner.storage import ShardStorage
+from recstack.distributed.planner.tiers import grow_caches, tiered_estimates
 from recstack.distributed.planner.types import (
     PlanError,
     ShardingPlan,
@@ -52,14 +57,23 @@ _PATIENCE = 8  # greedy starts without a better plan before the search moves on
 
 
 class Option:
-    """One way to shard a table: ``cost`` [k] seconds per step and ``hbm`` [k] bytes of each shard."""
+    """One way to shard and store a table: ``cost`` [k] seconds per step and ``mem`` [len(BUDGETS), k] bytes of
+    device memory, host memory and SSD of each shard (``hbm`` = mem[0]); ``storage`` per shard (() = all on
+    the device)."""
 
-    def __init__(self, sharding: str, cost: np.ndarray, hbm: np.ndarray) -> None:
-        self.sharding, self.cost, self.hbm = sharding, cost, hbm
+    def __init__(self, sharding: str, cost: np.ndarray, hbm: np.ndarray, mem: np.ndarray | None = None,
+                 storage: tuple[ShardStorage | None, ...] = ()) -> None:
+        self.sharding, self.cost, self.hbm, self.storage = sharding, cost, hbm, storage
+        self.mem = mem if mem is not None else np.stack([hbm, np.zeros_like(hbm), np.zeros_like(hbm)])
         self.k = len(cost)
         self.total = float(cost.sum())
         self.max_hbm = int(hbm.max())
+        self.max_need = self.mem.max(axis=1)[:, None]  # [len(BUDGETS), 1]
         self.by_cost = np.argsort(-cost, kind="stable")  # costliest shard first
+
+    @classmethod
+    def of(cls, sharding: str, est: Estimate) -> Option:
+        return cls(sharding, est.cost, est.hbm, est.memory(), est.storage)
 
 
 def split_counts(limit: int) -> list[int]:
@@ -92,16 +106,20 @@ def candidate_splits(table: TableSpec, topology: Topology, allowed: Sequence[str
 
 
 class _Search:
-    """Placement state (load [W] seconds, free [W] HBM bytes, each table's option and ranks) and moves."""
+    """Placement state (load [W] seconds, free [len(BUDGETS), W] bytes of device memory, host memory and SSD,
+    each table's option and ranks) and moves."""
 
-    def __init__(self, options: list[list[Option]], topology: Topology) -> None:
+    def __init__(self, options: list[list[Option]], topology: Topology, tiers: bool = False) -> None:
         self.options, self.topo = options, topology
         W, L = topology.world_size, topology.devices_per_node
         self.all_ranks = np.arange(W)
         self.node_ranks = [np.arange(n * L, (n + 1) * L) for n in range(topology.nodes)]
         self.node = self.all_ranks // L
         self.load = np.zeros(W)
-        self.free = np.full(W, topology.hbm_bytes, dtype=np.int64)
+        budgets = topology.budgets()
+        # Without tiers only device memory binds (options then need none of the others).
+        self.free = np.array([[budgets.device or 0], [budgets.host or 0] if tiers else [0],
+                              [budgets.ssd or 0] if tiers else [0]], dtype=np.int64).repeat(W, axis=1)
         self.choice: list[tuple[int, np.ndarray] | None] = [None] * len(options)
         self.on_rank: list[set[int]] = [set() for _ in range(W)]
 
@@ -109,7 +127,7 @@ class _Search:
     def add(self, t: int, o: int, ranks: np.ndarray) -> None:
         opt = self.options[t][o]
         self.load[ranks] += opt.cost
-        self.free[ranks] -= opt.hbm
+        self.free[:, ranks] -= opt.mem
         self.choice[t] = (o, ranks)
         for r in ranks.tolist():
             self.on_rank[r].add(t)
@@ -124,11 +142,16 @@ class _Search:
         o, ranks = self.placed(t)
         opt = self.options[t][o]
         self.load[ranks] -= opt.cost
-        self.free[ranks] += opt.hbm
+        self.free[:, ranks] += opt.mem
         self.choice[t] = None
         for r in ranks.tolist():
             self.on_rank[r].discard(t)
         return o, ranks
+
+    def fits(self, need: np.ndarray, ranks: np.ndarray | None = None) -> np.ndarray:
+        """[len(ranks)] whether each rank (all by default) has ``need`` [len(BUDGETS), 1] bytes free."""
+        free = self.free if ranks is None else self.free[:, ranks]
+        return np.asarray((free >= need).all(axis=0))
 
     def score(self) -> tuple[float, float]:
         return float(self.load.max()), float(np.square(self.load).sum())
@@ -137,12 +160,12 @@ class _Search:
     def place(self, opt: Option) -> np.ndarray | None:
         """Ranks for each shard of ``opt`` on the least-loaded ranks with room, or None if it does not fit."""
         if opt.sharding == "data_parallel":
-            return self.all_ranks if bool((self.free >= opt.hbm[0]).all()) else None
+            return self.all_ranks if bool(self.fits(opt.mem[:, :1]).all()) else None
         if opt.sharding != "table_row_wise":
             return self._pick(opt, self.all_ranks)
         # Every node at once: its k least-loaded ranks with room take the shards, costliest first.
         L = self.topo.devices_per_node
-        load = np.where(self.free >= opt.max_hbm, self.load, np.inf).reshape(-1, L)
+        load = np.where(self.fits(opt.max_need), self.load, np.inf).reshape(-1, L)
         order = np.argsort(load, axis=1, kind="stable")[:, :opt.k]  # [nodes, k]
         peak = (np.take_along_axis(load, order, axis=1) + opt.cost[opt.by_cost]).max(axis=1)
         if np.isfinite(peak).any():
@@ -159,14 +182,14 @@ class _Search:
 
     def _pick(self, opt: Option, cand: np.ndarray) -> np.ndarray | None:
         k, ranks = opt.k, np.empty(opt.k, dtype=np.int64)
-        roomy = cand[self.free[cand] >= opt.max_hbm]
+        roomy = cand[self.fits(opt.max_need, cand)]
         if len(roomy) >= k:  # usual case: the k least-loaded (then emptiest) ranks, costliest shard first
-            chosen = roomy[np.lexsort((-self.free[roomy], self.load[roomy]))[:k]]
+            chosen = roomy[np.lexsort((-self.free[0, roomy], self.load[roomy]))[:k]]
             ranks[opt.by_cost] = chosen
             return ranks
-        free, taken = self.free[cand].copy(), np.zeros(len(cand), dtype=bool)
+        taken = np.zeros(len(cand), dtype=bool)
         for j in np.argsort(-opt.hbm, kind="stable"):  # memory is tight: biggest shard first
-            fits = np.flatnonzero((free >= opt.hbm[j]) & ~taken)
+            fits = np.flatnonzero(self.fits(opt.mem[:, j:j + 1], cand) & ~taken)
             if not len(fits):
                 return None
             i = fits[np.argmin(self.load[cand[fits]])]
@@ -281,25 +304,27 @@ class _Search:
     def _swap(self, r: int) -> bool:
         """Swap a shard on rank r with a cheaper shard of another table elsewhere, lowering both below
         r's load. True if a swap was made."""
-        parts: list[tuple[np.ndarray, ...]] = []  # per table: table, shard index, rank, cost, hbm, is trw
+        parts: list[tuple[np.ndarray, ...]] = []  # per table: table, shard index, rank, cost, memory, is trw
         for t in range(len(self.choice)):
             o, ranks = self.placed(t)
             opt = self.options[t][o]
             if opt.sharding != "data_parallel":
                 k = opt.k
-                parts.append((np.full(k, t), np.arange(k), ranks, opt.cost, opt.hbm,
+                parts.append((np.full(k, t), np.arange(k), ranks, opt.cost, opt.mem.T,
                               np.full(k, opt.sharding == "table_row_wise")))
         if not parts:
             return False
-        s_table, s_index, s_rank, s_cost, s_hbm, s_trw = (np.concatenate(col) for col in zip(*parts, strict=True))
+        s_table, s_index, s_rank, s_cost, s_mem_t, s_trw = (np.concatenate(col) for col in zip(*parts, strict=True))
+        s_mem = s_mem_t.T  # [len(BUDGETS), shards]
         table_on_r = np.isin(s_table, list(self.on_rank[r]))
         best, best_peak = None, self.load[r] * (1 - 1e-9)
         for a in np.flatnonzero(s_rank == r):
-            t, c1, m1 = s_table[a], s_cost[a], s_hbm[a]
+            t, c1, m1 = s_table[a], s_cost[a], s_mem[:, a:a + 1]
             peak = np.maximum(self.load[r] - c1 + s_cost, self.load[s_rank] - s_cost + c1)
             same_node = self.node[s_rank] == self.node[r]
             ok = ((s_rank != r) & ~table_on_r & (s_cost < c1) & (peak < best_peak)
-                  & (self.free[r] + m1 - s_hbm >= 0) & (self.free[s_rank] + s_hbm - m1 >= 0)
+                  & (self.free[:, r:r + 1] + m1 - s_mem >= 0).all(axis=0)
+                  & (self.free[:, s_rank] + s_mem - m1 >= 0).all(axis=0)
                   & ~np.isin(s_rank, self.choice[t][1]) & (same_node | ~(s_trw | s_trw[a])))
             if ok.any():
                 b = np.flatnonzero(ok)[np.argmin(peak[ok])]
@@ -341,6 +366,10 @@ def _allowed_types(tables: Sequence[TableSpec], constraints: Mapping[str, str | 
     return out
 
 
+class _NoRoom(PlanError):
+    """The tables do not fit in device memory (the tiered search may still place them)."""
+
+
 def plan_sharding(
     tables: Sequence[TableSpec],
     topology: Topology,
@@ -352,60 +381,129 @@ def plan_sharding(
     min_column_dim: int = 8,
     time_limit_s: float = 5.0,
     restarts: int = 16,
+    tiers: bool = False,
 ) -> ShardingPlan:
     """Choose a sharding type and ranks for every table (see the module docstring).
 
     ``constraints`` maps a table name to the sharding type (or list of types) it may use; ``force`` applies
     one type to every table without a constraint. ``time_limit_s`` bounds the search after the first
-    start; ``restarts`` is the number of shuffled starts tried within it.
+    start; ``restarts`` is the number of shuffled starts tried within it. ``tiers``: where the tables do not
+    fit in device memory, keep shards in host memory or on SSD behind device caches, within each rank's share
+    of ``topology.ddr_bytes`` and ``topology.ssd_bytes`` (``tiers.py``); a plan that fits in device memory is
+    the device-only plan whatever ``tiers`` says (caches only add miss traffic).
     """
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
         raise PlanError(f"table names repeat: {sorted({n for n in names if names.count(n) > 1})}")
     model = CostModel(topology, batch_size_per_rank, config)
+    allowed = _allowed_types(tables, constraints, force)
+    splits = []
+    for t, kinds in zip(tables, allowed, strict=True):
+        splits.append(candidate_splits(t, topology, kinds, min_column_dim))
+        if not splits[-1]:
+            raise PlanError(f"table {t.name!r} ({t.rows:,} rows x {t.dim}): no valid {' or '.join(kinds)} "
+                            f"sharding on {topology.world_size} ranks")
+    try:
+        return _plan_device(tables, splits, model, time_limit_s, restarts)
+    except _NoRoom:
+        if not tiers:
+            raise
+    return _plan_tiered(tables, splits, model, time_limit_s, restarts)
+
+
+def _plan_device(tables: Sequence[TableSpec], splits: list[list[tuple[str, int]]], model: CostModel,
+                 time_limit_s: float, restarts: int) -> ShardingPlan:
+    topology = model.topology
     W, cap = topology.world_size, topology.hbm_bytes
     options: list[list[Option]] = []
     same_shape: dict[tuple, list[Option]] = {}  # models made of many identical tables cost each shape once
-    for t, allowed in zip(tables, _allowed_types(tables, constraints, force), strict=True):
-        splits = candidate_splits(t, topology, allowed, min_column_dim)
-        if not splits:
-            raise PlanError(f"table {t.name!r} ({t.rows:,} rows x {t.dim}): no valid {' or '.join(allowed)} "
-                            f"sharding on {W} ranks")
-        shape = (t.rows, t.dim, t.pooling, t.access_counts, tuple(splits))
+    for t, table_splits in zip(tables, splits, strict=True):
+        shape = (t.rows, t.dim, t.pooling, t.access_counts, tuple(table_splits))
         if shape not in same_shape:
-            same_shape[shape] = [Option(sharding, est.cost, est.hbm) for sharding, k in splits
+            same_shape[shape] = [Option(sharding, est.cost, est.hbm) for sharding, k in table_splits
                                  for est in [model.estimate(t, sharding, k)]]
         opts = same_shape[shape]
         smallest = min(opts, key=lambda o: o.max_hbm)
         if smallest.max_hbm > cap:
             need = smallest.max_hbm
             where = "on one rank" if smallest.k == 1 else f"per rank ({smallest.sharding} over {smallest.k} ranks)"
-            raise PlanError(f"table {t.name!r} ({t.rows:,} rows x {t.dim}) does not fit: its smallest footprint "
-                            f"needs {format_bytes(need, decimal=True)} ({need:,} bytes) {where}, HBM per rank is "
-                            f"{format_bytes(cap, decimal=True)} ({cap:,} bytes)")
+            raise _NoRoom(f"table {t.name!r} ({t.rows:,} rows x {t.dim}) does not fit: its smallest footprint "
+                          f"needs {format_bytes(need, decimal=True)} ({need:,} bytes) {where}, HBM per rank is "
+                          f"{format_bytes(cap, decimal=True)} ({cap:,} bytes)")
         options.append(opts)
     least_total = sum(min(int(o.hbm.sum()) for o in opts) for opts in options)
     if least_total > W * cap:
         need = -(-least_total // W)
-        raise PlanError(f"the tables need at least {format_bytes(least_total, decimal=True)} of HBM in total, "
-                        f"{format_bytes(need, decimal=True)} ({need:,} bytes) per rank, but each of the {W} ranks has "
-                        f"{format_bytes(cap, decimal=True)} ({cap:,} bytes)")
+        raise _NoRoom(f"the tables need at least {format_bytes(least_total, decimal=True)} of HBM in total, "
+                      f"{format_bytes(need, decimal=True)} ({need:,} bytes) per rank, but each of the {W} ranks has "
+                      f"{format_bytes(cap, decimal=True)} ({cap:,} bytes)")
 
     best = _search(options, topology, time_limit_s, restarts)
     if best is None:
-        raise PlanError(f"could not fit the tables in HBM: they need at least "
-                        f"{format_bytes(least_total / W, decimal=True)} per rank on average, each of the {W} ranks "
-                        f"has {format_bytes(cap, decimal=True)}; allow more sharding types or add memory")
+        raise _NoRoom(f"could not fit the tables in HBM: they need at least "
+                      f"{format_bytes(least_total / W, decimal=True)} per rank on average, each of the {W} ranks "
+                      f"has {format_bytes(cap, decimal=True)}; allow more sharding types or add memory")
+    return _plan_of(tables, options, best, model)
+
+
+def _plan_of(tables: Sequence[TableSpec], options: list[list[Option]], best: _Search, model: CostModel,
+             grow: bool = False) -> ShardingPlan:
     entries = []
     for i, t in enumerate(tables):
         o, ranks = best.placed(i)
         opt = options[i][o]
+        storage = {int(r): st for r, st in zip(ranks, opt.storage or [None] * opt.k, strict=True) if st is not None}
         entries.append(TableSharding(t.name, t.rows, t.dim, opt.sharding, ranks.tolist(),
-                                     {int(r): int(b) for r, b in zip(ranks, opt.hbm, strict=True)}))
-    return ShardingPlan(W, topology, batch_size_per_rank, entries, model.plan_cost(tables, entries))
+                                     {int(r): int(b) for r, b in zip(ranks, opt.hbm, strict=True)}, storage))
+    if grow:
+        grow_caches(entries, tables, model, model.topology.hbm_bytes)
+    W = model.topology.world_size
+    return ShardingPlan(W, model.topology, model.batch, entries, model.plan_cost(tables, entries))
 
 
-def _search(options: list[list[Option]], topology: Topology, time_limit_s: float, restarts: int) -> _Search | None:
+def _plan_tiered(tables: Sequence[TableSpec], splits: list[list[tuple[str, int]]], model: CostModel,
+                 time_limit_s: float, restarts: int) -> ShardingPlan:
+    """The search over tiered options (``tiers.py``) at shrinking cache fractions until a plan fits."""
+    topology = model.topology
+    W, budgets = topology.world_size, topology.budgets()
+    kinds = [tier for tier, b in (("host-cached", budgets.host), ("ssd-cached", budgets.ssd)) if b]
+    deadline = time.perf_counter() + time_limit_s
+    footprint: dict[tuple, int] = {}  # least device bytes of each table shape
+    for t, sp in zip(tables, splits, strict=True):
+        size = (t.rows, t.dim, tuple(sp))
+        if size not in footprint:
+            footprint[size] = min(int(model.estimate(t, s, k).hbm.sum()) for s, k in sp)
+    total = sum(footprint[(t.rows, t.dim, tuple(sp))] for t, sp in zip(tables, splits, strict=True))
+    per_rank = sum(b or 0 for b in (budgets.device, budgets.host, budgets.ssd))
+    have = ", ".join(f"{name} {format_bytes(b or 0, decimal=True)}" for name, b in
+                     (("device", budgets.device), ("host", budgets.host), ("SSD", budgets.ssd)))
+    if not kinds or total > W * per_rank:
+        raise PlanError(f"the tables need at least {format_bytes(total, decimal=True)} in total, "
+                        f"{format_bytes(-(-total // W), decimal=True)} per rank, but each of the {W} ranks has {have} "
+                        f"(host memory and SSD per host, split between its ranks: raise --hbm, --ddr or --ssd)")
+    fraction = min(1.0, 0.9 * W * topology.hbm_bytes / total)
+    while fraction * max(t.rows for t in tables) >= 1:
+        options: list[list[Option]] = []
+        same_shape: dict[tuple, list[Option]] = {}
+        for t, table_splits in zip(tables, splits, strict=True):
+            shape = (t.rows, t.dim, t.pooling, t.access_counts, t.zipf, tuple(table_splits))
+            if shape not in same_shape:
+                same_shape[shape] = [Option.of(s, est) for s, k in table_splits
+                                     for est in tiered_estimates(model, t, s, k, kinds, fraction)]
+            options.append(same_shape[shape])
+        left = max(deadline - time.perf_counter(), time_limit_s / 10)
+        best = _search(options, topology, left, restarts, tiers=True)
+        if best is not None:
+            return _plan_of(tables, options, best, model, grow=True)
+        fraction /= 4
+    raise PlanError(f"could not fit the tables in device memory, host memory and SSD: they need at least "
+                    f"{format_bytes(total / W, decimal=True)} per rank on average; each rank has {have}, and a "
+                    f"shard's device cache holds at least twice the rows it looks up per step (raise --hbm or "
+                    f"lower the batch size)")
+
+
+def _search(options: list[list[Option]], topology: Topology, time_limit_s: float, restarts: int,
+            tiers: bool = False) -> _Search | None:
     """Greedy starts, each improved locally; the best, or None if nothing fits (module docstring, 3-5)."""
     W, n = topology.world_size, len(options)
     cheapest = np.array([min(o.total for o in opts) for opts in options])
@@ -427,13 +525,13 @@ def _search(options: list[list[Option]], topology: Topology, time_limit_s: float
         if best is not None and (time.perf_counter() >= start + time_limit_s / 2 or stale >= _PATIENCE
                                  or best.score()[0] <= bound * (1 + 1e-9)):
             break
-        search = _Search(options, topology)
+        search = _Search(options, topology, tiers)
         if search.greedy(order, cheapest, max_shards):
             search.improve(deadline, 50 * n + 1000, pairs=False)
             found.append(search)
             stale = 0 if best is None or _better(search.score(), best.score()) else stale + 1
             best = search if stale == 0 else best
-    if not found and (spread := _spread(options, topology)) is not None:
+    if not found and (spread := _spread(options, topology, tiers)) is not None:
         found.append(spread)
     # Two-table moves on the few best distinct plans, then the best wins.
     found.sort(key=lambda f: f.score())
@@ -459,9 +557,9 @@ def _smallest(opts: list[Option]) -> int:
     return min(range(len(opts)), key=lambda o: (opts[o].max_hbm, opts[o].total))
 
 
-def _spread(options: list[list[Option]], topology: Topology) -> _Search | None:
+def _spread(options: list[list[Option]], topology: Topology, tiers: bool = False) -> _Search | None:
     """Every table with its smallest-footprint option, largest first; None if even that does not fit."""
-    search = _Search(options, topology)
+    search = _Search(options, topology, tiers)
     picks = [_smallest(opts) for opts in options]
     for t in sorted(range(len(options)), key=lambda t: -options[t][picks[t]].hbm.sum()):
         ranks = search.place(options[t][picks[t]])

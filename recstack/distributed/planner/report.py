@@ -1,5 +1,7 @@
 """A readable summary of a plan: per-table rows (all of them, or the costliest ``top`` plus one line per
-sharding type), then per-rank load (every rank up to 16, else one line per node and the slowest ranks)."""
+sharding type), then per-rank load (every rank up to 16, else one line per node and the slowest ranks).
+A plan with storage tiers also shows each table's tier, cache size and predicted hit rate, one line per tier
+(shards, rows cached, hit rates) and each rank's device memory, host memory and SSD."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from recstack.distributed.planner.cost import CostModel
-from recstack.distributed.planner.types import ShardingPlan, TableSpec
+from recstack.distributed.planner.cost import TERMS, CostModel, Estimate
+from recstack.distributed.planner.storage import TIERS
+from recstack.distributed.planner.types import ShardingPlan, TableSharding, TableSpec
 from recstack.units import format_bytes
 
 T = TypeVar("T")
@@ -70,17 +73,25 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
         f"topology: {topo.describe()}",
         "",
     ]
+    tiered = any(e.storage for e in plan.tables)
     per_table = []  # (cost on its busiest rank, entry)
+    estimates: dict[str, Estimate] = {}
     for e in plan.tables:
-        per_table.append((float(model.estimate(specs[e.name], e.sharding, len(e.ranks)).cost.max()), e))
+        estimates[e.name] = est = model.estimate(specs[e.name], e.sharding, len(e.ranks), e.shard_storage())
+        per_table.append((float(est.cost.max()), e))
     shown = per_table if len(per_table) <= top else sorted(per_table, key=lambda x: -x[0])[:top]
     rows = [(e.name, f"{e.rows:,}", e.dim, e.sharding, format_ranks(e.ranks, W),
              format_bytes(max(_known(e.memory_bytes_per_rank).values()), decimal=True), format_seconds(c))
+            + (_storage_cells(e, estimates[e.name]) if tiered else ())
             for c, e in shown]
     if len(shown) < len(per_table):
         lines.append(f"the {len(shown)} costliest of {len(per_table)} tables:")
-    lines += _table(("table", "rows", "dim", "sharding", "ranks", "memory/rank", "cost/rank"), rows, {1, 2, 5, 6})
+    header = ("table", "rows", "dim", "sharding", "ranks", "memory/rank", "cost/rank")
+    lines += _table(header + (("tier", "cache rows/shard", "hit rate") if tiered else ()), rows,
+                    {1, 2, 5, 6, 8, 9})
     lines.append("")
+    if tiered:
+        lines += _tier_summary(plan.tables, estimates) + [""]
     by_type: dict[str, list] = {}
     for c, e in per_table:
         by_type.setdefault(e.sharding, []).append((c, e))
@@ -94,6 +105,10 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
     load = np.array(cost["per_rank"])
     hbm = np.array(cost["hbm_bytes_per_rank"])
     comm = np.array(cost["comm_per_rank"])
+    host = np.array(cost.get("host_bytes_per_rank", [0] * W))
+    ssd = np.array(cost.get("ssd_bytes_per_rank", [0] * W))
+    miss = np.array(cost.get("breakdown", {}).get("cache_miss", [0.0] * W))
+    budgets = topo.budgets()
     shards = Counter(r for e in plan.tables for r in e.ranks)
     if W <= 16:
         ranks = list(range(W))
@@ -104,17 +119,78 @@ def render_plan(plan: ShardingPlan, tables: Sequence[TableSpec], model: CostMode
             sl = slice(n * topo.devices_per_node, (n + 1) * topo.devices_per_node)
             node_rows.append((n, format_seconds(load[sl].min()), format_seconds(load[sl].mean()),
                               format_seconds(load[sl].max()), format_bytes(hbm[sl].max(), decimal=True),
-                              f"{100 * hbm[sl].max() / topo.hbm_bytes:.0f}%"))
+                              f"{100 * hbm[sl].max() / topo.hbm_bytes:.0f}%")
+                             + ((format_bytes(host[sl].max(), decimal=True), format_bytes(ssd[sl].max(), decimal=True))
+                                if tiered else ()))
         lines.append("per node:")
-        lines += _table(("node", "min cost", "mean cost", "max cost", "max memory", "of HBM"), node_rows,
-                        {1, 2, 3, 4, 5})
+        lines += _table(("node", "min cost", "mean cost", "max cost", "max memory", "of HBM")
+                        + (("max host", "max SSD") if tiered else ()), node_rows, {1, 2, 3, 4, 5, 6, 7})
         ranks = np.argsort(-load, kind="stable")[:5].tolist()
         lines += ["", "slowest ranks:"]
-    rank_rows = [(r, topo.node_of(r), shards[r], format_bytes(hbm[r], decimal=True),
-                  f"{100 * hbm[r] / topo.hbm_bytes:.0f}%", format_seconds(load[r] - comm[r]),
-                  format_seconds(comm[r]), format_seconds(load[r])) for r in ranks]
-    lines += _table(("rank", "node", "shards", "memory", "of HBM", "compute", "comm", "cost"), rank_rows,
-                    {0, 1, 2, 3, 4, 5, 6, 7})
+    if not tiered:
+        rank_rows = [(r, topo.node_of(r), shards[r], format_bytes(hbm[r], decimal=True),
+                      f"{100 * hbm[r] / topo.hbm_bytes:.0f}%", format_seconds(load[r] - comm[r]),
+                      format_seconds(comm[r]), format_seconds(load[r])) for r in ranks]
+        lines += _table(("rank", "node", "shards", "memory", "of HBM", "compute", "comm", "cost"), rank_rows,
+                        {0, 1, 2, 3, 4, 5, 6, 7})
+    else:
+        def of(used: float, limit: int | None) -> str:
+            return f"{format_bytes(used, decimal=True)} ({100 * used / limit:.0f}%)" if limit else \
+                format_bytes(used, decimal=True)
+
+        tier_rows = [(r, topo.node_of(r), shards[r], of(hbm[r], budgets.device), of(host[r], budgets.host),
+                      of(ssd[r], budgets.ssd), format_seconds(load[r] - comm[r] - miss[r]), format_seconds(miss[r]),
+                      format_seconds(comm[r]), format_seconds(load[r])) for r in ranks]
+        lines += _table(("rank", "node", "shards", "device", "host", "SSD", "compute", "cache misses", "comm",
+                         "cost"), tier_rows, set(range(10)))
+        dev, hst, sd = (format_bytes(b or 0, decimal=True) for b in (budgets.device, budgets.host, budgets.ssd))
+        pcie, ssd_bw = (format_bytes(b, decimal=True) for b in (topo.pcie_bw, topo.ssd_bw))
+        lines.append(f"budgets per rank: device {dev}, host {hst}, SSD {sd} (host memory and SSD per host / "
+                     f"{topo.devices_per_node} ranks); assumed PCIe {pcie}/s, SSD {ssd_bw}/s")
     lines += ["", f"predicted step cost: max {format_seconds(cost['max'])} (rank {int(load.argmax())}), "
                   f"mean {format_seconds(cost['mean'])}, imbalance {cost['imbalance']:.3f} (max / mean)"]
     return "\n".join(lines)
+
+
+def _storage_cells(e: TableSharding, est: Estimate) -> tuple[str, str, str]:
+    """(tier, cache rows per shard, hit rate) of one table: its shards' tiers with counts where they differ,
+    the range of cache sizes and of predicted hit rates (per distinct row per step) of its cached shards."""
+    tiers = Counter(st.tier if st is not None else "device" for st in e.shard_storage())
+    tier = next(iter(tiers)) if len(tiers) == 1 else ", ".join(f"{t} x{n}" for t, n in sorted(tiers.items()))
+    caches = [st.cache_rows for st in e.storage.values()]
+    if not caches:
+        return tier, "-", "-"
+    hits = est.hit_rate[~np.isnan(est.hit_rate)] if est.hit_rate is not None else np.zeros(0)
+
+    def span(lo: str, hi: str) -> str:
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    return (tier, span(format_count(min(caches)), format_count(max(caches))),
+            span(f"{hits.min():.3f}", f"{hits.max():.3f}"))
+
+
+def _tier_summary(entries: Sequence[TableSharding], estimates: dict[str, Estimate]) -> list[str]:
+    """One line per tier: shards, rows cached, the shards' predicted hit rates and miss cost."""
+    rows = []
+    miss_term = TERMS.index("cache_miss")
+    for tier in TIERS:
+        shards = cached = 0
+        rates: list[float] = []
+        worst = 0.0
+        for e in entries:
+            est = estimates[e.name]
+            for j, st in enumerate(e.shard_storage()):
+                if (st.tier if st is not None else "device") != tier:
+                    continue
+                shards += 1
+                if st is not None and est.hit_rate is not None:
+                    cached += st.cache_rows
+                    rates.append(float(est.hit_rate[j]))
+                    worst = max(worst, float(est.terms[j, miss_term]))
+        if not shards:
+            continue
+        spread = f"{min(rates):.3f} / {np.mean(rates):.3f} / {max(rates):.3f}" if rates else "-"
+        rows.append((tier, shards, format_count(cached) if rates else "-", spread,
+                     format_seconds(worst) if rates else "-"))
+    return _table(("tier", "shards", "rows cached", "hit rate min / mean / max", "max miss cost/shard"), rows,
+                  {1, 2, 3, 4})

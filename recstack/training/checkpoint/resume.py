@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from recstack.data.loader import BatchLoader, LoaderPosition
+from recstack.data.order import shuffle_mode
 from recstack.errors import ConfigError
 from recstack.training.logger import METRICS_FILE, TB_DIR
 
@@ -49,24 +50,47 @@ def claim_output_dir(output_dir: Path, overwrite: bool, is_main: bool) -> None:
                 path.unlink()
 
 
-def rebatched_position(state: dict[str, Any], loader: BatchLoader, shuffle: bool, announce: bool) -> LoaderPosition:
-    """The checkpoint's data position in ``loader``'s global batches (train.batch_size x processes), which may
-    differ from the ones the checkpoint was written with."""
+def saved_position(state: dict[str, Any], epoch_rows: int) -> tuple[LoaderPosition, int, str]:
+    """A checkpoint's data position -> (position, its global batch in rows, its shuffle mode). Checkpoints from
+    before row positions counted whole global batches of an epoch that dropped its short last batch: a count
+    that reaches the end of those is the start of the next epoch."""
     pos = state["position"]
-    saved = LoaderPosition(int(pos["epoch"]), int(pos["batch"]))
     old = pos.get("global_batch_size")  # absent in older checkpoints: their batch size x world size
     if old is None:
         old = int(state["config"]["train"]["batch_size"]) * int(state.get("world_size") or 1)
-    new = loader.global_batch_size
+    old = int(old)
+    mode = pos.get("shuffle")
+    if mode is None:
+        mode = shuffle_mode(state.get("config", {}).get("train", {}).get("shuffle", False))
+    if "row" in pos:
+        return LoaderPosition(int(pos["epoch"]), int(pos["row"])), old, str(mode)
+    epoch, batch = int(pos["epoch"]), int(pos["batch"])
+    if batch >= epoch_rows // old:
+        return LoaderPosition(epoch + 1, 0), old, str(mode)
+    return LoaderPosition(epoch, batch * old), old, str(mode)
+
+
+def rebatched_position(state: dict[str, Any], loader: BatchLoader, shuffle: bool | str, announce: bool
+                       ) -> LoaderPosition:
+    """The checkpoint's data position in ``loader``'s global batches (train.batch_size x processes), which may
+    differ from the ones the checkpoint was written with: the next batch starts at the next row of the epoch's
+    sequence. A change of ``train.shuffle`` mid-epoch is refused (the rows still due are another set)."""
+    saved, old, was_mode = saved_position(state, loader.end - loader.start)
+    new, mode = loader.global_batch_size, shuffle_mode(shuffle)
+    where = state.get("path", "the checkpoint")
+    if saved.row and was_mode != mode:
+        raise ConfigError(f"resume: {where}: train.shuffle changed from {was_mode!r} to {mode!r} in the middle of "
+                          f"epoch {saved.epoch} ({saved.row} rows done): the rows still due are unknown. Resume with "
+                          f"train.shuffle = {was_mode!r}, or change it at an epoch boundary")
     try:
-        moved = saved.rebatched(int(old), new, loader.end - loader.start, shuffle)
+        moved = loader.normalised(saved.rebatched(old, new, mode))
     except ValueError as e:
         was = f"{old // int(state.get('world_size') or 1)} x {state.get('world_size') or 1} processes"
         raise ConfigError(
-            f"resume: {state.get('path', 'the checkpoint')}: {e}. Resume with the global batch it was written "
+            f"resume: {where}: {e}. Resume with the global batch it was written "
             f"with (train.batch_size x processes = {was}), or change it at an epoch boundary"
         ) from e
     if old != new and announce:
-        print(f"resume: global batch of {old} rows now {new}: the {saved.batch * old} rows done in epoch "
-              f"{saved.epoch} continue at epoch {moved.epoch}, batch {moved.batch}")
+        print(f"resume: global batch of {old} rows now {new}: the {saved.row} rows done in epoch "
+              f"{saved.epoch} continue at epoch {moved.epoch}, row {moved.row}")
     return moved

@@ -112,13 +112,13 @@ class LoaderState:
     """``position``: where the training loader is, restored in this run's global batches (which may differ from
     the checkpoint's, see ``resume.rebatched_position``)."""
 
-    def __init__(self, loader: BatchLoader, shuffle: bool, announce: bool) -> None:
+    def __init__(self, loader: BatchLoader, shuffle: bool | str, announce: bool) -> None:
         self.loader, self.shuffle, self.announce = loader, shuffle, announce
 
     def state_dict(self) -> dict[str, Any]:
         pos = self.loader.position
-        return {"position": {"epoch": pos.epoch, "batch": pos.batch,
-                             "global_batch_size": self.loader.global_batch_size}}
+        return {"position": {"epoch": pos.epoch, "row": pos.row, "global_batch_size": self.loader.global_batch_size,
+                             "shuffle": self.loader.shuffle}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.position = rebatched_position(state, self.loader, self.shuffle, self.announce)
