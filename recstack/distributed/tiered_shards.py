@@ -95,8 +95,10 @@ def plan_local_shards(
 def check_ssd_dir(memory: MemoryConfig, rank: int, tables: list[str]) -> None:
     """This rank's SSD directory can hold files (made when missing); else a ConfigError naming the field, the
     shards that need it and the rank."""
-    directory = Path(rank_ssd_dir(memory, rank))
     names = ", ".join(repr(n) for n in tables)
+    if not memory.ssd_dir:
+        raise ConfigError(f"rank {rank}: memory.ssd_dir is not set, and the ssd-cached shards {names} need it")
+    directory = Path(rank_ssd_dir(memory, rank))
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=directory, prefix="recstack-check-"):

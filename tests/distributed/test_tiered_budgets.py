@@ -1,5 +1,6 @@
-"""Bad ``[memory]`` budgets under torchrun stop every rank before any training step, with an error naming the
-field, the shard and the rank."""
+"""Where each rank's shards live under torchrun: from a plan file's per-shard storage, or from the per-rank
+``[memory]`` budgets; bad budgets stop every rank before any training step, with an error naming the field, the
+shard and the rank."""
 
 from __future__ import annotations
 
@@ -7,8 +8,33 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, torchrun, train_args
-from test_tiered_checkpoint import COMMON, LAYOUT, _tiers
+from conftest import cli_train, run_cli, torchrun, train_args
+from test_tiered_checkpoint import COMMON, LAYOUT, _same_end, _tiers, straight_run
+
+
+def test_plan_file_storage_places_the_shards(tiny_dataset: Path, tmp_path: Path,
+                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A plan file whose tables carry ``storage`` entries (``recstack plan`` with tiers writes them): each rank
+    holds the shards it names in those tiers with those caches, the others on the device, with no [memory]
+    budget; the run ends bit for bit where the all-in-memory one does."""
+    import json
+
+    plan = tmp_path / "plan.json"
+    storage = {"C2": {"1": {"tier": "host-cached", "cache_rows": 20}},
+               "C4": {"0": {"tier": "host-cached", "cache_rows": 40}, "1": {"tier": "ssd-cached", "cache_rows": 30}}}
+    entries = [{"name": n, "sharding": "row_wise", "ranks": [0, 1], **({"storage": storage[n]} if n in storage else {})}
+               for n in ("C1", "C2", "C3", "C4")]
+    plan.write_text(json.dumps({"world_size": 2, "tables": entries}))
+    run = tmp_path / "run"
+    log: list[str] = []
+    cli_train(run, tiny_dataset, [*COMMON, *LAYOUT, f'dist.plan="{plan}"', f'memory.ssd_dir="{tmp_path / "ssd"}"'],
+              launcher=torchrun(2), timeout=400, log=log)
+    lines = log[0].splitlines()
+    for rank, table, tier, rows in ((0, "C4", "host-cached", 40), (1, "C2", "host-cached", 20),
+                                    (1, "C4", "ssd-cached", 30), (0, "C2", "device", None)):
+        line = next(x for x in lines if x.startswith(f"rank {rank}:   {table}.shard{rank} "))
+        assert tier in line and (rows is None or f" {rows} " in line), line
+    _same_end(run, straight_run(tiny_dataset, tmp_path_factory), tiny_dataset)
 
 
 def test_bad_budgets_stop_every_rank_before_training(tiny_dataset: Path, tmp_path: Path) -> None:
