@@ -21,7 +21,7 @@ from recstack.data.format import PreparedDataset
 from recstack.data.integrity import fingerprint
 from recstack.distributed.config import DistConfig
 from recstack.embedding.collection import TableConfig
-from recstack.errors import ConfigError, PeerFailure
+from recstack.errors import ConfigError, PeerFailure, RecstackError
 
 _MISSING = "<not set>"
 
@@ -131,3 +131,33 @@ def on_rank0(generate: Callable[[], None], what: str) -> None:
     if status[0] is not None:
         raise ValueError(f"rank 0 could not {what}: {status[0]}")
 
+
+
+def gather_failures(error: BaseException | None,
+                    plain: type[BaseException] = RecstackError) -> list[tuple[int, str]]:
+    """Collective: every rank says whether it failed (``error``, None when it did not) -> (rank, message) of
+    every rank that failed, the same list on every rank (the message of a ``plain`` error as it is, others
+    with their type)."""
+    report = None if error is None else str(error) if isinstance(error, plain) else \
+        f"{type(error).__name__}: {error}"
+    reports: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    return [(r, m) for r, m in enumerate(reports) if m is not None]
+
+
+def fail_together(error: BaseException | None, what: str) -> None:
+    """Collective: every rank says whether it could ``what`` (``error``: its failure, None when it could). When
+    any rank failed, every rank leaves the job together (barrier, groups torn down, as ``check_agreement`` does)
+    and raises: a failed rank its own error, the others a ConfigError naming the lowest failed rank and its
+    message. So an error of one rank's shards (a memory budget too small for them) never leaves the others
+    waiting in a later collective."""
+    failed = gather_failures(error)
+    if not failed:
+        return
+    world = dist.get_world_size()
+    dist.barrier()
+    dist.destroy_process_group()
+    if error is not None:
+        raise error
+    rank, message = failed[0]
+    raise ConfigError(f"rank {rank} of {world} could not {what}: {message}")

@@ -16,7 +16,12 @@ from recstack.compression.base import Codec
 from recstack.distributed.comm import CommStats
 from recstack.distributed.config import DistConfig
 from recstack.distributed.planner.types import PlanError, PlanPlacements, ShardingPlan, Topology
-from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
+from recstack.distributed.sharded_collection import LocalCollection, ShardedEmbeddingCollection, fused_local
+from recstack.distributed.tiered_shards import row_bytes, tiered_local
+from recstack.embedding.collection import TableConfig
+from recstack.embedding.tiered.collection import TablePlacement
+from recstack.embedding.tiered.config import MemoryConfig
+from recstack.embedding.tiered.placement import memory_budgets_set
 from recstack.errors import ConfigError
 from recstack.metrics import BinaryMetrics
 from recstack.models.dlrm import DLRM
@@ -69,16 +74,42 @@ def shard_model(
     ranks_per_node: int | None = None,
     aggregate_gradients: bool = False,
     timeout_s: float | None = None,
+    memory: MemoryConfig | None = None,
 ) -> DLRM:
     """Replace the model's collection (built on ``meta`` for this: ``build_model(tables_on_meta=True)``, or a
     real one, whose rows are not read) with a sharded one holding this rank's shards of the same initial rows.
-    ``timeout_s``: the bound of the collection's collectives (``dist.timeout_s``)."""
+    ``timeout_s``: the bound of the collection's collectives (``dist.timeout_s``). ``memory`` with budgets: each
+    rank places its shards over memory tiers within them (``tiered_shards``)."""
     emb = model.embeddings
+    local: LocalCollection = fused_local
+    storage = plan_storage(placements, emb.tables, dist.get_rank())
+    if storage is not None or (memory is not None and memory_budgets_set(memory)):
+        opt = emb.optimizer.config
+        dp = sum(t.num_embeddings * row_bytes(t.embedding_dim, opt)
+                 for t, (kind, _) in zip(emb.tables, placements, strict=True) if kind == "data_parallel")
+        local = tiered_local(memory or MemoryConfig(), dist.get_rank(), replicated_bytes=dp, storage=storage)
     model.embeddings = ShardedEmbeddingCollection(
         emb.tables, emb.optimizer.config, placements, seed, device, forward_codec, backward_codec, ranks_per_node,
-        aggregate_gradients, timeout_s=timeout_s,
+        aggregate_gradients, local_collection=local, timeout_s=timeout_s,
     )
     return model
+
+
+def plan_storage(placements: list[tuple[str, list[int]]], tables: list[TableConfig], rank: int
+                 ) -> dict[str, TablePlacement] | None:
+    """The tier of each of this rank's shards a plan file (``dist.plan``) decides: {``<table>.shard<i>``:
+    placement}, the shards its ``storage`` entries do not name on the device; None when the plan has no
+    ``storage`` entry at all (or the placements are not from a plan file): the ``[memory]`` budgets decide."""
+    if not isinstance(placements, PlanPlacements) or not any(any(s) for s in placements.storage):
+        return None
+    out = {}
+    for t, (kind, ranks), shards in zip(tables, placements, placements.storage, strict=True):
+        if kind == "data_parallel":  # replicated, on the device
+            continue
+        for i, (r, st) in enumerate(zip(ranks, shards, strict=True)):
+            if r == rank:
+                out[f"{t.name}.shard{i}"] = TablePlacement(st.tier, st.cache_rows) if st else TablePlacement()
+    return out
 
 
 def wrap_ddp(model: DLRM, device: torch.device, stats: CommStats | None = None) -> DDP:

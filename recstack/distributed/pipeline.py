@@ -8,7 +8,8 @@ The loader prepares batches in a background thread and runs one transform on eac
 3. the cached tiers' prefetch hook (``EmbeddingCollection.next_batch_hook``), so their rows come in early;
 4. pipelined: the sharded collection's input distribution (its id all-to-all, ``input_dist``) on a process
    group of its own, while the main thread trains on the previous batch. This is the only place where a
-   collective runs outside the main thread.
+   collective runs outside the main thread. The ids each rank owns are then known a batch ahead, and go to
+   its local shards (``ShardedEmbeddingCollection.announce``), so cached-tier shards prefetch their rows.
 
 The routed ids (``RoutedIds``) do not ride on the batch: the loader's thread appends them to a FIFO here, in
 batch order, and ``batches`` (main thread) hands each to the collection (``use_routed``) as it yields the batch
@@ -66,6 +67,7 @@ class InputPipeline:
             batch = self._hook(batch)
         if self._sharded is not None and self.pipelined:
             routed = self._sharded.input_dist(batch.sparse, self._sharded.pipeline_group)
+            self._sharded.announce(routed)  # cached-tier shards start fetching this batch's rows early
             with self._lock:
                 self._routed.append(routed)
         return batch

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from recstack.compression.base import Codec
 from recstack.data.batch import SparseFeatures
+from recstack.distributed import agreement
 from recstack.distributed import grad_aggregation as ga
 from recstack.distributed.comm import CommStats, PooledExchange, all_to_all_variable
 from recstack.distributed.grad_aggregation import GradGroups
@@ -44,17 +45,22 @@ from recstack.distributed.sharding import Shard, table_shards
 from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_block
 from recstack.embedding.fused import FusedEmbeddingBagCollection, TableInit
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
+from recstack.embedding.tiered.collection import TieredEmbeddingCollection
 from recstack.errors import ConfigError
 
-# (tables, optimizer, device, init) -> the collection that holds one group of local shards, init(i, out) writing
-# its table i's initial rows: how the shards are held (in memory, or later in cached tiers) is the factory's.
-LocalCollection = Callable[[list[TableConfig], SparseOptimizerConfig, torch.device, TableInit], EmbeddingCollection]
+# One group of a rank's local shards (one per shard dim): its tables, and init(i, out) writing table i's initial
+# rows into ``out`` [rows, dim].
+LocalGroup = tuple[list[TableConfig], TableInit]
+# (every group of this rank, optimizer, device) -> the collection holding each group, in order. The factory gets
+# every group at once, so that it can place them together (memory budgets are per rank): how the shards are held
+# (in memory, or in cached tiers: ``recstack.distributed.tiered_shards``) is the factory's.
+LocalCollection = Callable[[list[LocalGroup], SparseOptimizerConfig, torch.device], list[EmbeddingCollection]]
 
 
-def fused_local(tables: list[TableConfig], optimizer: SparseOptimizerConfig, device: torch.device,
-                init: TableInit) -> EmbeddingCollection:
-    """The default local collection: every local shard in memory on ``device``."""
-    return FusedEmbeddingBagCollection(tables, optimizer, device=device, init=init)
+def fused_local(groups: list[LocalGroup], optimizer: SparseOptimizerConfig,
+                device: torch.device) -> list[EmbeddingCollection]:
+    """The default local collections: every local shard in memory on ``device``."""
+    return [FusedEmbeddingBagCollection(tables, optimizer, device=device, init=init) for tables, init in groups]
 
 
 @dataclass(frozen=True)
@@ -187,6 +193,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.groups = torch.nn.ModuleDict()
         self.group_pairs: dict[str, list[int]] = {}
         self.pair_slot: list[tuple[str, int]] = [("", 0)] * len(mine)  # pair -> (group, local feature index)
+        specs: list[LocalGroup] = []
         for dim, idxs in sorted(by_dim.items()):
             shard_ids: dict[tuple[int, int], list[int]] = {}  # one local table per shard, shared by its pairs
             for local_f, i in enumerate(idxs):
@@ -202,12 +209,20 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 s = held[i]
                 init_block(self.tables[s.table], seed, s.table, (s.row0, s.row1), (s.col0, s.col1), out=out)
 
-            coll = local_collection(local_tables, self.optimizer.config, self.device, init)
             key = f"d{dim}"
-            self.groups[key] = coll
+            specs.append((local_tables, init))
             self.group_pairs[key] = idxs
             for local_f, i in enumerate(idxs):
                 self.pair_slot[i] = (key, local_f)
+        error: Exception | None = None
+        colls: list[EmbeddingCollection] = []
+        try:
+            colls = local_collection(specs, self.optimizer.config, self.device)
+        except Exception as e:  # decided together below: a rank that raised alone would leave the rest waiting
+            error = e
+        agreement.fail_together(error, "build its embedding shards")
+        for key, coll in zip(self.group_pairs, colls, strict=True):
+            self.groups[key] = coll
         dp_tables = [t for t, kind in enumerate(self.sharding) if kind == "data_parallel"]
         self.dp_features = [f for f, t in enumerate(self.feature_table) if t in dp_tables]
         self.replicated: ReplicatedEmbeddingBagCollection | None = None
@@ -294,6 +309,28 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             groups = (_nest(sent, per_owner), _nest(served, [n] * self.world))
         return RoutedIds(sparse.ids, batch_sizes, list(zip(ids_out, lens_out, strict=True)), w_out, groups)
 
+    def _group_inputs(self, routed: RoutedIds) -> dict[str, SparseFeatures]:
+        """The input of each local collection: the ids of its pairs over every rank's samples."""
+        out = {}
+        for key, idxs in self.group_pairs.items():
+            ids = torch.cat([routed.pairs[i][0] for i in idxs])
+            lens = torch.cat([routed.pairs[i][1] for i in idxs])
+            offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+            pw = routed.weights
+            w = (torch.cat([x for i in idxs if (x := pw[i]) is not None])  # all or none are weighted
+                 if pw and pw[0] is not None else None)
+            out[key] = SparseFeatures(ids, offsets, len(idxs), w)
+        return out
+
+    def announce(self, routed: RoutedIds) -> None:
+        """A training batch routed ahead (``input_dist`` in the input pipeline): its local collections learn
+        their coming ids, so that cached tiers fetch the rows this rank owns while the batch before computes."""
+        hooks = {key: h for key, m in self.groups.items() if (h := cast(EmbeddingCollection, m).ids_hook())}
+        if hooks:
+            for key, sparse in self._group_inputs(routed).items():
+                if key in hooks:
+                    hooks[key](sparse)
+
     def use_routed(self, routed: RoutedIds) -> None:
         """The next forward's batch was distributed ahead (``input_dist``): forward uses ``routed`` once instead
         of communicating. The main thread hands it over right before that forward."""
@@ -310,16 +347,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             routed = self.input_dist(sparse)
         elif routed.ids is not sparse.ids:
             raise RuntimeError("the routed ids handed over were distributed for another batch than this forward's")
-        batch_sizes, pair_data, pair_w, grad_groups = (routed.batch_sizes, routed.pairs, routed.weights,
-                                                       routed.grad_groups)
-        pooled: dict[str, torch.Tensor] = {}
-        for key, idxs in self.group_pairs.items():
-            ids = torch.cat([pair_data[i][0] for i in idxs])
-            lens = torch.cat([pair_data[i][1] for i in idxs])
-            offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-            w = (torch.cat([x for i in idxs if (x := pair_w[i]) is not None])  # all or none are weighted
-                 if pair_w and pair_w[0] is not None else None)
-            pooled[key] = self.groups[key](SparseFeatures(ids, offsets, len(idxs), w))  # [Bg, n_group, d]
+        batch_sizes, grad_groups = routed.batch_sizes, routed.grad_groups
+        pooled = {key: self.groups[key](sp) for key, sp in self._group_inputs(routed).items()}  # [Bg, n_group, d]
         # Output all-to-all: rank r gets rows [start_r, end_r) of every owned pair.
         bounds = [0]
         for br in batch_sizes:
@@ -369,26 +398,39 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
     # -- capabilities of the collection interface ------------------------------------------------------------
     def pop_counters(self) -> dict[str, float]:
-        return self.stats.pop()
+        """Bytes and seconds per collective, and this rank's local collections' counters (the cache requests,
+        hits and fetch seconds of shards in cached tiers) summed over them."""
+        out = self.stats.pop()
+        for m in self.groups.values():
+            for k, v in cast(EmbeddingCollection, m).pop_counters().items():
+                out[k] = out.get(k, 0.0) + v
+        return out
 
     def wire_layout(self) -> list[list[tuple[int, int, int, int, int, int]]]:
         return [[(f, s.table, s.row0, s.row1, s.col0, s.col1) for f, s in per_rank] for per_rank in self.pairs]
 
     # -- inspection ----------------------------------------------------------------------------------------
     def local_shards(self) -> list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]]:
-        """(table name, shard, weight view [rows, d], row-wise accumulator view [rows] or None) of every shard
-        this rank holds: the model-parallel ones in group order, then each replicated table as one whole-table
-        shard (table index -1, on this rank). Views: writing into them writes the rows (a checkpoint load)."""
+        """(table name, shard, weight [rows, d], row-wise accumulator [rows] or None) of every shard this rank
+        holds: the model-parallel ones in group order, then each replicated table as one whole-table shard
+        (table index -1, on this rank). In-memory shards give views: writing into them writes the rows (a
+        checkpoint load). Shards in cached tiers give CPU copies of their rows (their caches flushed into their
+        stores first); to load rows into them, write into the copies, then hand them to ``store_local_shards``."""
         out = []
-        for group in self.groups.values():
-            if not isinstance(group, FusedEmbeddingBagCollection):  # views need the rows in one weight tensor
-                raise NotImplementedError(f"local_shards: the rows of a {type(group).__name__} are not tensors")
+        for m in self.groups.values():
+            group = cast(EmbeddingCollection, m)
             for i, tc in enumerate(group.tables):
                 name, si = tc.name.rsplit(".shard", 1)
                 t = next(j for j, x in enumerate(self.tables) if x.name == name)
-                lo, hi = int(group.table_offsets[i]), int(group.table_offsets[i + 1])
-                acc = group.accumulator[lo:hi] if group.accumulator is not None else None
-                out.append((name, self.shards[t][int(si)], group.weight[lo:hi], acc))
+                if isinstance(group, TieredEmbeddingCollection):
+                    weight, acc = group.table_state(tc.name)
+                elif isinstance(group, FusedEmbeddingBagCollection):
+                    lo, hi = int(group.table_offsets[i]), int(group.table_offsets[i + 1])
+                    weight = group.weight[lo:hi]
+                    acc = group.accumulator[lo:hi] if group.accumulator is not None else None
+                else:
+                    raise NotImplementedError(f"local_shards: cannot read the rows of a {type(group).__name__}")
+                out.append((name, self.shards[t][int(si)], weight, acc))
         if self.replicated is not None:
             rep = self.replicated
             for i, tc in enumerate(rep.tables):
@@ -397,6 +439,18 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 acc = rep.accumulator[lo:hi] if rep.accumulator is not None else None
                 out.append((tc.name, full, rep.weight[lo:hi], acc))
         return out
+
+    def store_local_shards(self, shards: list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]]) -> None:
+        """Load the rows written into the copies ``local_shards`` gave (in its order) into the shards held in
+        cached tiers (their caches start empty); in-memory shards were written through their views already."""
+        at = 0
+        for m in self.groups.values():
+            group = cast(EmbeddingCollection, m)  # a ModuleDict of local collections: torch types its values Module
+            mine, at = shards[at : at + len(group.tables)], at + len(group.tables)
+            if group.stores_rows_in_files:
+                weight = torch.cat([w for _, _, w, _ in mine])
+                accs = [a for _, _, _, a in mine if a is not None]
+                group.restore_tensors(weight, torch.cat(accs) if accs else None)
 
     def table_weight(self, name: str) -> torch.Tensor:
         """The full table, gathered from its shards (a collective: every rank must call it)."""

@@ -142,6 +142,13 @@ class EmbeddingCollection(nn.Module, abc.ABC):
         collection can fetch the batch's rows early; None when it has no use for that."""
         return None
 
+    def ids_hook(self) -> Callable[[SparseFeatures], None] | None:
+        """A function to call, from any thread, with the sparse input of each coming training forward, in
+        order and ahead of it (a sharded collection's local shards get their ids from its input distribution,
+        not from the loader's batches), so that the collection can fetch their rows early; None when it has no
+        use for that."""
+        return None
+
     def pop_counters(self) -> dict[str, float]:
         """Counters since the last call, for the training log: bytes and seconds per collective of a sharded
         collection, cache requests / hits / fetch seconds of cached tiers; empty for one that keeps none."""

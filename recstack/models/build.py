@@ -68,11 +68,14 @@ def build_model(
         tables = list(qr.tables)
     emb: EmbeddingCollection
     mixed = len({t.embedding_dim for t in tables}) > 1
-    if memory is not None and memory_budgets_set(memory):  # tables that do not fit get cached tiers (plan printed)
-        if mixed:
-            raise ConfigError("model.table_dims: tables of different dims cannot be placed over memory tiers "
-                              "([memory] budgets); give every table model.embedding_dim or drop the budgets")
-        emb = build_collection(memory, tables, sparse_optim, seed, device, log)  # (refuses torchrun)
+    budgets = memory is not None and memory_budgets_set(memory)
+    if budgets and mixed:
+        raise ConfigError("model.table_dims: tables of different dims cannot be placed over memory tiers "
+                          "([memory] budgets); give every table model.embedding_dim or drop the budgets")
+    if budgets and not tables_on_meta:  # tables that do not fit get cached tiers (plan printed); sharded, each
+        # rank places its own shards instead (``recstack.distributed.tiered_shards``)
+        assert memory is not None
+        emb = build_collection(memory, tables, sparse_optim, seed, device, log)
     elif mixed:  # one fused collection per dim
         emb = MixedDimEmbeddingCollection(tables, sparse_optim, seed=seed, device="meta" if tables_on_meta else device)
     else:

@@ -19,6 +19,7 @@ from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.checkpointer import Checkpointer
+from recstack.training.checkpoint.state import convert_embedding_layout
 
 
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", last: bool = False
@@ -41,14 +42,17 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", last:
                         seed=cfg.train.seed, device=device, names=state.get("table_names"), memory=cfg.memory,
                         log=sys.stderr)
     emb = model.embeddings
-    # A sharded checkpoint's tables put together from their shards, as one process holds them (torchrun refuses
-    # [memory] budgets, so this model's tables are all in memory too).
+    # A sharded checkpoint's tables put together from their shards, as one process holds them in memory; where
+    # the run's [memory] budgets give this process cached tiers, they are loaded into those below.
     Checkpointer.gather_tables(state, emb, device)
+    tables = convert_embedding_layout(state, emb, torch.device(device))
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:  # missing, unexpected or reshaped
         raise ValueError(f"{where}: its weights do not fit the model its config describes: {e}") from e
-    if emb.stores_rows_in_files:  # cached embedding tiers: their rows are files beside the checkpoint's state
+    if tables is not None:  # in-memory tables into cached tiers
+        emb.restore_tensors(*tables)
+    elif emb.stores_rows_in_files:  # cached embedding tiers: their rows are files beside the checkpoint's state
         emb.restore_files(state.get("checkpoint_dir"))
     model.eval()
     return cfg, model

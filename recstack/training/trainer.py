@@ -181,7 +181,7 @@ class Trainer:
         agreement.check_placements_and_data(d, self.model.embeddings.tables, placements, data)
         fwd, bwd = self.compression.codecs()  # names, or configured error-bounded codecs for "eb"
         parallelize.shard_model(self.model, placements, self.cfg.train.seed, self.device, fwd, bwd, rpn,
-                                d.aggregate_gradients, d.timeout_s)
+                                d.aggregate_gradients, d.timeout_s, self.cfg.memory)
         sharded = cast(ShardedEmbeddingCollection, self.model.embeddings)  # shard_model put it there
         self.net = parallelize.wrap_ddp(self.model, self.device, sharded.stats)
 

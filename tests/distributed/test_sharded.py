@@ -15,7 +15,9 @@ from recstack.config import load_config
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
 from recstack.distributed.parallelize import all_gather_metrics, shard_model, wrap_ddp
+from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config
+from recstack.embedding.tiered.collection import TieredEmbeddingCollection
 from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_model
 from recstack.training.step import build_dense_optimizer
@@ -29,9 +31,10 @@ def _cfg(sparse_opt: str, extra: tuple[str, ...] = ()):
 
 
 def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ranks_per_node=None,
-         aggregate: bool = False, extra: tuple[str, ...] = ()):
-    """Train STEPS steps; -> (losses of the global batch, eval AUC, full tables, backward bytes sent).
-    ``extra``: config overrides (``--set`` form) on top of the small model."""
+         aggregate: bool = False, extra: tuple[str, ...] = (), steps: int = STEPS, cache: dict | None = None):
+    """Train ``steps`` steps; -> (losses of the global batch, eval AUC, full tables, backward bytes sent).
+    ``extra``: config overrides (``--set`` form) on top of the small model (``[memory]`` budgets give the
+    shards cached tiers); ``cache`` gets the cached shards' requests and hits on this rank."""
     cfg = _cfg(sparse_opt, extra)
     ds = PreparedDataset(data)
     torch.manual_seed(0)
@@ -42,14 +45,14 @@ def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ra
     net = model
     if placements is not None:
         model = shard_model(model, placements, 0, device, ranks_per_node=ranks_per_node,
-                            aggregate_gradients=aggregate)
+                            aggregate_gradients=aggregate, memory=cfg.memory)
         net = wrap_ddp(model, device)
     opt = build_dense_optimizer(cfg.optim, model.dense_parameters())
     n = len(ds)
     loader = BatchLoader(ds, GLOBAL_BATCH // world, (0, n - 2000), rank=rank, world_size=world, prefetch=0)
     losses, bwd_bytes = [], 0.0
     it = loader.iterate_epoch()
-    for _ in range(STEPS):
+    for _ in range(steps):
         global_loss = train_step(net, opt, next(it)).clone()
         if world > 1:
             dist.all_reduce(global_loss)
@@ -64,7 +67,12 @@ def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ra
             metrics.update(net(batch), batch.labels)
     if world > 1:
         metrics = all_gather_metrics(metrics)
-    tables = [model.embeddings.table_weight(t.name) for t in model.embeddings.tables]
+    emb = model.embeddings
+    tables = [emb.table_weight(t.name) for t in emb.tables]
+    if cache is not None and isinstance(emb, ShardedEmbeddingCollection):
+        totals = [g.counters.totals() for g in emb.groups.values() if isinstance(g, TieredEmbeddingCollection)]
+        cache.update(requests=sum(int(t["requests"]) for t in totals), hits=sum(int(t["hits"]) for t in totals))
+    emb.close()
     return losses, metrics.compute()["auc"], tables, bwd_bytes
 
 

@@ -37,11 +37,18 @@ import torch.nn.functional as F
 
 from recstack.data.batch import Batch, SparseFeatures, feature_bounds
 from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_table
-from recstack.embedding.fused import _FusedLookup
+from recstack.embedding.fused import TableInit, _FusedLookup
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
 from recstack.embedding.tiered.cache import POLICIES, CacheCounters, SetAssociativeCache
 from recstack.embedding.tiered.files import CHUNK_ROWS, TableFilesMixin
-from recstack.embedding.tiered.store import HostStore, RowStore, SSDStore, init_chunks, record_width
+from recstack.embedding.tiered.store import (
+    HostStore,
+    RowStore,
+    SSDStore,
+    init_chunks,
+    init_chunks_of,
+    record_width,
+)
 
 TIERS = ("device", "host-cached", "ssd-cached")
 
@@ -109,7 +116,10 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
         ssd_dir: str | Path | None = None,
         prefetch: bool = True,
         ways: int = 32,
+        init: TableInit | None = None,
     ) -> None:
+        """Rows of ``init_table`` with ``seed``, or from ``init`` when given (``init(i, out)`` writes table i's
+        initial rows into ``out`` [rows, D]: a sharded collection's local shards hold blocks of whole tables)."""
         super().__init__(tables, optimizer)
         if len(placements) != len(tables):
             raise ValueError(f"{len(placements)} placements for {len(tables)} tables")
@@ -143,13 +153,26 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
                 store: RowStore = HostStore(t.num_embeddings, self.width, pin_memory=self.device.type == "cuda")
             else:
                 store = SSDStore(t.num_embeddings, self.width, Path(ssd_dir))  # type: ignore[arg-type]
-            store.fill(init_chunks(t, seed, i, self.width, acc_init, CHUNK_ROWS))
+            if init is None:
+                store.fill(init_chunks(t, seed, i, self.width, acc_init, CHUNK_ROWS))
+            elif isinstance(store, HostStore):  # straight into the store's records
+                init(i, store.data[:, :d])
+                if self.width > d:
+                    store.data[:, d] = acc_init
+            else:  # one shard-sized block, written to the file in chunks
+                block = torch.empty(t.num_embeddings, d)
+                init(i, block)
+                store.fill(init_chunks_of(block, self.width, acc_init, CHUNK_ROWS))
             self._stores.append(store)
         self._fixed_rows = row + self._cache.num_slots
         weight = torch.zeros(self._fixed_rows, d, device=self.device)
         for i, p in enumerate(placements):
             if p.tier == "device":
-                weight[self._offsets[i] : self._offsets[i] + tables[i].num_embeddings] = init_table(tables[i], seed, i)
+                rows = weight[self._offsets[i] : self._offsets[i] + tables[i].num_embeddings]
+                if init is not None:
+                    init(i, rows)
+                else:
+                    rows.copy_(init_table(tables[i], seed, i))
         self.register_buffer("weight", weight, persistent=False)  # [R, D]
         acc = None
         if self.optimizer.needs_accumulator:
@@ -371,16 +394,26 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
         """A function for the data loader to call on each batch as it is prepared (in its own thread, ahead of
         training): it records the batch's ids so their rows can be fetched while the batch before it computes.
         None when nothing is cached or prefetching is off."""
-        if not (self.prefetch_enabled and self.cached_tables):
+        hook = self.ids_hook()
+        if hook is None:
             return None
 
         def announce(batch: Batch) -> Batch:
-            s = batch.sparse
+            hook(batch.sparse)
+            return batch
+
+        return announce
+
+    def ids_hook(self) -> Callable[[SparseFeatures], None] | None:
+        """Records the ids of a coming forward (``next_batch_hook`` for what they are for)."""
+        if not (self.prefetch_enabled and self.cached_tables):
+            return None
+
+        def announce(s: SparseFeatures) -> None:
             with self._hint_lock:
                 self._hints.append(_Hint(s.ids.cpu(), s.offsets.cpu()))
                 while len(self._hints) > 64:  # batches that were loaded but never trained (a stopped epoch)
                     self._hints.popleft()
-            return batch
 
         return announce
 

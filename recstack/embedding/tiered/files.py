@@ -60,7 +60,8 @@ class TableFilesMixin:
     def table_state(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (weight [rows, D], row-wise accumulator [rows] or None): a CPU copy of the whole table."""
         self.flush()
-        rec = torch.cat(list(self._records(self._table_index(name))))
+        chunks = list(self._records(self._table_index(name)))
+        rec = torch.cat(chunks) if chunks else torch.empty(0, self.width)  # an empty row shard has no chunk
         d = self.embedding_dim
         return rec[:, :d].contiguous(), (rec[:, d].contiguous() if self.width > d else None)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import TextIO
 
 import torch
@@ -38,31 +39,38 @@ def _min_cache_rows(table: TableConfig) -> int:
     return min(table.num_embeddings, max(MIN_CACHE_ROWS, math.ceil(MIN_CACHE_FRACTION * table.num_embeddings)))
 
 
+def _per_table(row_bytes: int | Sequence[int], n: int) -> list[int]:
+    return [row_bytes] * n if isinstance(row_bytes, int) else list(row_bytes)
+
+
 def plan_placement(
     tables: list[TableConfig],
-    row_bytes: int,
+    row_bytes: int | Sequence[int],
     device_budget: int | None,
     host_budget: int | None = None,
     ssd_dir: str = "",
     policy: str = "lru",
 ) -> list[TablePlacement]:
-    """One ``TablePlacement`` per table (same order) within the budgets (bytes; None = unlimited)."""
+    """One ``TablePlacement`` per table (same order) within the budgets (bytes; None = unlimited). ``row_bytes``:
+    bytes per row of every table, or of each table (the local shards of a rank, whose dims differ where a table
+    is split by columns)."""
     if policy not in POLICIES:
         raise ValueError(f"cache policy {policy!r}: expected one of {', '.join(POLICIES)}")
-    size = [t.num_embeddings * row_bytes for t in tables]
+    rb = _per_table(row_bytes, len(tables))
+    size = [t.num_embeddings * rb[i] for i, t in enumerate(tables)]
     if device_budget is None or sum(size) <= device_budget:
         return [TablePlacement("device") for _ in tables]
     order = sorted(range(len(tables)), key=lambda i: (size[i] / max(1, len(tables[i].features)), i))
-    on_device: set[int] = set()
+    on_device = {i for i in order if size[i] == 0}  # an empty row shard: nothing to cache
     used = 0
     for i in order:
         others = [j for j in range(len(tables)) if j != i and j not in on_device]
-        reserve = sum(_min_cache_rows(tables[j]) * row_bytes for j in others)
-        if used + size[i] + reserve <= device_budget:
+        reserve = sum(_min_cache_rows(tables[j]) * rb[j] for j in others)
+        if i not in on_device and used + size[i] + reserve <= device_budget:
             on_device.add(i)
             used += size[i]
     cached = [i for i in range(len(tables)) if i not in on_device]
-    cache_rows = _cache_rows(tables, cached, device_budget - used, row_bytes)
+    cache_rows = _cache_rows(tables, cached, device_budget - used, rb)
     host_used = 0
     tiers: dict[int, str] = {}
     for i in sorted(cached, key=lambda i: (size[i], i)):
@@ -85,25 +93,28 @@ def plan_placement(
     return out
 
 
-def _cache_rows(tables: list[TableConfig], cached: list[int], budget: int, row_bytes: int) -> dict[int, int]:
+def _cache_rows(tables: list[TableConfig], cached: list[int], budget: int, rb: list[int]) -> dict[int, int]:
     """Split ``budget`` bytes into the caches of tables ``cached`` -> {table: cache rows}: the same fraction of
     each table's rows, except that a table whose share is below its minimum cache gets the minimum and the others
     share what is left, so the caches together never exceed the budget. A budget below the minimum caches gives
     caches as large as it allows, down to one row."""
     minimum = {i: _min_cache_rows(tables[i]) for i in cached}
-    if budget < sum(minimum.values()) * row_bytes:
+    if budget < sum(minimum[i] * rb[i] for i in cached):
         minimum = dict.fromkeys(cached, 1)  # any cache size works (rows that find no slot are staged)
-        if budget < len(cached) * row_bytes:
+        if budget < sum(rb[i] for i in cached):
+            row = ", ".join(sorted({f"{rb[i]} B" for i in cached}))
+            names = ", ".join(repr(tables[i].name) for i in cached)
             raise ValueError(
-                f"memory.device leaves {budget:,} B for caches, less than one row ({row_bytes} B) for each of the "
-                f"{len(cached)} tables it cannot hold: raise memory.device"
+                f"memory.device leaves {budget:,} B for caches, less than one row ({row}) for each of the "
+                f"{len(cached)} tables it cannot hold ({names}): raise memory.device"
             )
     floor: set[int] = set()
     while True:
         free = [i for i in cached if i not in floor]
-        left = budget - sum(minimum[i] for i in floor) * row_bytes
-        free_bytes = max(1, sum(tables[i].num_embeddings for i in free) * row_bytes)
+        left = budget - sum(minimum[i] * rb[i] for i in floor)
+        free_bytes = max(1, sum(tables[i].num_embeddings * rb[i] for i in free))
         # integer arithmetic: rows = left * n / free_bytes, rounded down, so the shares never add up past ``left``
+        # (the same fraction of every table's rows, whatever its bytes per row)
         share = {i: min(tables[i].num_embeddings, left * tables[i].num_embeddings // free_bytes) for i in free}
         low = {i for i in free if share[i] < minimum[i]}
         if not low:
@@ -112,25 +123,26 @@ def _cache_rows(tables: list[TableConfig], cached: list[int], budget: int, row_b
 
 
 def format_plan(
-    tables: list[TableConfig], placements: list[TablePlacement], row_bytes: int,
+    tables: list[TableConfig], placements: list[TablePlacement], row_bytes: int | Sequence[int],
     device_budget: int | None, host_budget: int | None, ssd_dir: str = "",
 ) -> str:
     """A human-readable table of the plan and the memory it uses per tier."""
+    rb = _per_table(row_bytes, len(tables))
     def budget(b: int | None) -> str:
         return "unlimited" if b is None else format_bytes(b)
 
     lines = [f"embedding placement (device budget {budget(device_budget)}, host budget {budget(host_budget)}"
              + (f", ssd_dir {ssd_dir})" if ssd_dir else ")")]
-    w = max(5, *(len(t.name) for t in tables))
+    w = max([5, *(len(t.name) for t in tables)])
     lines.append(f"  {'table':<{w}} {'rows':>12} {'size':>10}  {'tier':<12} {'cache rows':>11} {'cache':>7}")
     use = {"device": 0, "host": 0, "ssd": 0}
-    for t, p in zip(tables, placements, strict=True):
-        nbytes = t.num_embeddings * row_bytes
+    for t, p, rbt in zip(tables, placements, rb, strict=True):
+        nbytes = t.num_embeddings * rbt
         line = f"  {t.name:<{w}} {t.num_embeddings:>12,} {format_bytes(nbytes):>10}  {p.tier:<12}"
         if p.tier == "device":
             use["device"] += nbytes
         else:
-            use["device"] += p.cache_rows * row_bytes
+            use["device"] += p.cache_rows * rbt
             use["host" if p.tier == "host-cached" else "ssd"] += nbytes
             line += f" {p.cache_rows:>11,} {100 * p.cache_rows / t.num_embeddings:>6.1f}%"
         lines.append(line.rstrip())
@@ -153,9 +165,9 @@ def build_collection(
     """The embedding collection the ``[memory]`` budgets call for: the fused all-in-memory one when every table
     fits on the device, a ``TieredEmbeddingCollection`` otherwise; rows from ``init_table`` with ``seed``.
     Prints the plan to ``log`` (standard output by default)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("memory budgets (cached embedding tiers) work in a single process only; unset "
-                         "memory.device and memory.host under torchrun")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one collection of every whole table: not a rank's shards
+        raise ValueError("build_collection places whole tables in one process; under torchrun each rank places its "
+                         "own shards (build the model with tables_on_meta=True and shard it)")
     dev, host = parse_bytes(memory.device), parse_bytes(memory.host)
     row_bytes = 4 * record_width(tables[0].embedding_dim, optimizer.kind == "rowwise_adagrad")
     placements = plan_placement(tables, row_bytes, dev, host, memory.ssd_dir, memory.cache_policy)

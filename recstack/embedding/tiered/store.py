@@ -54,6 +54,14 @@ def init_chunks(
         yield w if width == table.embedding_dim else torch.cat([w, torch.full((w.shape[0], 1), acc_init)], 1)
 
 
+def init_chunks_of(weights: torch.Tensor, width: int, acc_init: float, chunk_rows: int) -> Iterator[torch.Tensor]:
+    """Records of given initial weights [N, D], ``chunk_rows`` at a time ([n, width] per chunk)."""
+    d = weights.shape[1]
+    for r0 in range(0, weights.shape[0], chunk_rows):
+        w = weights[r0 : r0 + chunk_rows]
+        yield w if width == d else torch.cat([w, torch.full((w.shape[0], 1), acc_init)], 1)
+
+
 def _chunk_rows(width: int) -> int:
     return max(1, CHUNK_BYTES // (4 * width))
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from recstack.distributed.agreement import gather_failures
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.distributed.sharding import Shard
 from recstack.embedding import TableConfig
@@ -122,17 +123,14 @@ def agree(error: BaseException | None) -> None:
     """Collective: every rank says whether it failed; if any did, every rank raises: the error itself where
     all ranks failed alike (a verdict on the checkpoint), else a :class:`CheckpointError` with the lowest failing
     rank's message. No rank is left waiting in a later collective."""
-    report = None if error is None else str(error) if isinstance(error, CheckpointError) else \
-        f"{type(error).__name__}: {error}"
-    reports: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    failed = [(r, m) for r, m in enumerate(reports) if m is not None]
+    failed = gather_failures(error, CheckpointError)
     if not failed:
         return
-    if error is not None and len(failed) == len(reports) and all(m == report for _, m in failed):
+    world = dist.get_world_size()
+    if error is not None and len(failed) == world and len({m for _, m in failed}) == 1:
         raise error
     rank, message = failed[0]
-    raise CheckpointError(f"rank {rank} of {len(reports)} could not load the checkpoint: {message}") from error
+    raise CheckpointError(f"rank {rank} of {world} could not load the checkpoint: {message}") from error
 
 
 def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: BaseException | None = None) -> None:
@@ -142,11 +140,13 @@ def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: Ba
     raises :class:`CheckpointError` and none reads."""
     plan: list[tuple[torch.Tensor, Shard, str, tuple[str, int, int, int, int]]] = []
     request: dict[str, torch.Tensor] = {}
+    shards: list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]] = []
     if error is None:
         try:
             saved, pieces = _saved_pieces(path)
             check_coverage(coll.tables, _parts(coll.optimizer.needs_accumulator), path, pieces)
-            for name, s, w, acc in coll.local_shards():
+            shards = coll.local_shards()  # views of in-memory shards, copies of cached ones
+            for name, s, w, acc in shards:
                 for part, target in (("weight", w), ("accumulator", acc)):
                     if target is None:
                         continue
@@ -161,6 +161,7 @@ def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: Ba
     agree(error)
     dcp.load(request, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)))  # collective
     _copy_overlaps(plan, request)
+    coll.store_local_shards(shards)  # the copies of shards in cached tiers, into their tiers
 
 
 def _copy_overlaps(plan: list[tuple[torch.Tensor, Shard, str, tuple[str, int, int, int, int]]],
