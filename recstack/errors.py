@@ -26,3 +26,9 @@ class PeerFailure(RecstackError, RuntimeError):
     """Another rank died or stopped answering; this rank gives up instead of hanging."""
 
     exit_code = 3
+
+
+class DiskError(RecstackError, OSError):
+    """Writing a file failed on the disk's side: a read-only directory, no permission, no space left, a file
+    where a directory should be. The message names the path and the cause; what was half-written is removed
+    (``recstack.io.writing``)."""

@@ -7,6 +7,7 @@ import json
 
 from recstack.config import load_config
 from recstack.errors import ConfigError
+from recstack.io import check_writable
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +36,8 @@ def run(args: argparse.Namespace) -> dict:
             raise ConfigError(f"--dump-steps {args.dump_steps!r}: expected comma-separated step numbers") from e
         args.overrides += [f"compression.dump_dir={json.dumps(args.dump_a2a)}", f"compression.dump_steps={steps}"]
     cfg = load_config(args.config, args.overrides)
+    if args.output_dir:  # a read-only or full place for the run fails now, not at its first checkpoint
+        check_writable(args.output_dir, directory=True, inside=True)
     trainer = Trainer(cfg, args.output_dir, resume=args.resume, overwrite=args.overwrite)
     try:
         summary = trainer.train()

@@ -33,6 +33,7 @@ from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.errors import PeerFailure
+from recstack.io import atomic_write_text
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.checkpointer import Checkpointer
@@ -109,7 +110,7 @@ class Trainer:
         if resume:
             self._resume()
         if self.output_dir and self.is_main:  # after the resume check: a refused resume leaves the run as it was
-            (self.output_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            atomic_write_text(self.output_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
         # A resumed run drops what the stopped run logged after its checkpoint (it is about to be redone).
         self.logger = MetricsLogger(self.output_dir if self.is_main else None,
                                     resume_step=self.step if resume else None)

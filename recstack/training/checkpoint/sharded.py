@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.distributed.sharding import Shard
 from recstack.embedding import TableConfig
-from recstack.errors import CheckpointError
-from recstack.io import fsync_dir, open_synced
+from recstack.errors import CheckpointError, DiskError
+from recstack.io import disk_error, fsync_dir, open_synced, os_error_in, writing
 from recstack.training.checkpoint.integrity import (
     DIGESTS,
     SafeFileSystemReader,
@@ -118,7 +118,7 @@ def _parts(needs_accumulator: bool) -> list[str]:
     return ["weight", "accumulator"] if needs_accumulator else ["weight"]
 
 
-def agree(error: BaseException | None) -> None:
+def agree(error: BaseException | None, what: str = "load the checkpoint") -> None:
     """Collective: every rank says whether it failed; if any did, every rank raises: the error itself where
     all ranks failed alike (a verdict on the checkpoint), else a :class:`CheckpointError` with the lowest failing
     rank's message. No rank is left waiting in a later collective."""
@@ -132,7 +132,7 @@ def agree(error: BaseException | None) -> None:
     if error is not None and len(failed) == len(reports) and all(m == report for _, m in failed):
         raise error
     rank, message = failed[0]
-    raise CheckpointError(f"rank {rank} of {len(reports)} could not load the checkpoint: {message}") from error
+    raise CheckpointError(f"rank {rank} of {len(reports)} could not {what}: {message}") from error
 
 
 def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: BaseException | None = None) -> None:
@@ -199,30 +199,69 @@ def _write(path: Path, state: dict[str, Any]) -> None:
 def save_sharded(directory: Path, step: int, coll: ShardedEmbeddingCollection, trainer_state: dict[str, Any],
                  keep: int = 0, rank_state: dict[str, Any] | None = None) -> Path:
     """Collective. ``trainer_state``: rank 0's (replicated) state; ``rank_state``: this rank's own, written
-    to ``rank_<rank>.pt``. Returns the final checkpoint directory."""
+    to ``rank_<rank>.pt``. Returns the final checkpoint directory. A disk fault on any rank (full, read-only) is
+    an error on every rank (a :class:`DiskError` naming the file where it happened, a :class:`CheckpointError`
+    naming that rank elsewhere); the ``.tmp`` directory is removed and the earlier checkpoints stay the newest."""
     final = directory / f"step_{step:09d}"
     tmp = directory / f"step_{step:09d}.tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(embedding_state(coll), checkpoint_id=str(tmp))
-    if rank_state is not None:  # inside the .tmp directory, so it appears with the rest or not at all
-        _write(rank_file(tmp, dist.get_rank()), rank_state)
-    dist.barrier()  # every rank's files are complete: rank 0 records their checksums in trainer.pt, last
-    if dist.get_rank() == 0:
-        others = [p.name for p in tmp.iterdir() if p.name != SHARDED_STATE_FILE]
-        _write(tmp / SHARDED_STATE_FILE, {**trainer_state, "step": step, "complete": True,
-                                          DIGESTS: file_digests(tmp, others)})
-        fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if keep > 0:
-            for old in list_sharded(directory)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    rank = dist.get_rank()
+    error: BaseException | None = None
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+    except OSError as e:
+        error = disk_error(e, tmp)
+    _agree_on_write(error, tmp)  # (the barrier before any rank writes into tmp)
+    try:
+        dcp.save(embedding_state(coll), checkpoint_id=str(tmp))  # collective: a failure on one rank fails all
+        if rank_state is not None:  # inside the .tmp directory, so it appears with the rest or not at all
+            with writing(rank_file(tmp, rank)):
+                _write(rank_file(tmp, rank), rank_state)
+    except (Exception, dcp.CheckpointException) as e:  # DCP's own error is a BaseException
+        error = _as_disk_error(e, tmp)
+    _agree_on_write(error, tmp)  # every rank's files are complete: rank 0 records their checksums, last
+    try:
+        if rank == 0:
+            with writing(tmp / SHARDED_STATE_FILE):
+                others = [p.name for p in tmp.iterdir() if p.name != SHARDED_STATE_FILE]
+                _write(tmp / SHARDED_STATE_FILE, {**trainer_state, "step": step, "complete": True,
+                                                  DIGESTS: file_digests(tmp, others)})
+                fsync_dir(tmp)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+            if keep > 0:
+                for old in list_sharded(directory)[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+    except Exception as e:
+        error = e
+    _agree_on_write(error, tmp)
     return final
+
+
+def _as_disk_error(error: BaseException, where: Path) -> BaseException:
+    """A DiskError for an ``OSError`` behind ``error`` (DCP's CheckpointException holds each rank's failure,
+    with a traceback, in ``failures``), else ``error``."""
+    if isinstance(error, DiskError):
+        return error
+    cause = os_error_in(error)
+    for wrapped in getattr(error, "failures", {}).values():
+        cause = cause or os_error_in(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+    return error if cause is None else disk_error(cause, where)
+
+
+def _agree_on_write(error: BaseException | None, tmp: Path) -> None:
+    """Collective: if any rank failed to write, every rank raises (this rank its own error, the others a
+    CheckpointError naming the first failed rank) after rank 0 removed the ``.tmp`` directory."""
+    try:
+        agree(error, "write the checkpoint")
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None:
+            raise error from None
+        raise
 
 
 def list_sharded(directory: Path) -> list[Path]:
