@@ -109,7 +109,7 @@ def disk_error(error: OSError, path: str | Path | None = None, action: str | Non
         name = f"{name} -> {error.filename2}"
     cause = error.strerror or str(error) or type(error).__name__
     code = errno.errorcode.get(error.errno, "") if isinstance(error.errno, int) else ""
-    where = "disk error: " if name is None else f"cannot {action} {name}: " if action else f"{name}: "
+    where = "I/O error: " if name is None else f"cannot {action} {name}: " if action else f"{name}: "
     return DiskError(where + cause + (f" ({code})" if code else ""))
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
@@ -118,7 +119,7 @@ def _parts(needs_accumulator: bool) -> list[str]:
     return ["weight", "accumulator"] if needs_accumulator else ["weight"]
 
 
-def agree(error: BaseException | None, what: str = "load the checkpoint") -> None:
+def agree(error: BaseException | None) -> None:
     """Collective: every rank says whether it failed; if any did, every rank raises: the error itself where
     all ranks failed alike (a verdict on the checkpoint), else a :class:`CheckpointError` with the lowest failing
     rank's message. No rank is left waiting in a later collective."""
@@ -132,7 +133,7 @@ def agree(error: BaseException | None, what: str = "load the checkpoint") -> Non
     if error is not None and len(failed) == len(reports) and all(m == report for _, m in failed):
         raise error
     rank, message = failed[0]
-    raise CheckpointError(f"rank {rank} of {len(reports)} could not {what}: {message}") from error
+    raise CheckpointError(f"rank {rank} of {len(reports)} could not load the checkpoint: {message}") from error
 
 
 def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: BaseException | None = None) -> None:
@@ -213,13 +214,15 @@ def save_sharded(directory: Path, step: int, coll: ShardedEmbeddingCollection, t
     except OSError as e:
         error = disk_error(e, tmp)
     _agree_on_write(error, tmp)  # (the barrier before any rank writes into tmp)
-    try:
-        dcp.save(embedding_state(coll), checkpoint_id=str(tmp))  # collective: a failure on one rank fails all
+    writer = _RecordingWriter(str(tmp))
+    try:  # collective: a failure on one rank fails all
+        dcp.save(embedding_state(coll), checkpoint_id=str(tmp), storage_writer=writer)
         if rank_state is not None:  # inside the .tmp directory, so it appears with the rest or not at all
             with writing(rank_file(tmp, rank)):
                 _write(rank_file(tmp, rank), rank_state)
     except (Exception, dcp.CheckpointException) as e:  # DCP's own error is a BaseException
-        error = _as_disk_error(e, tmp)
+        cause = writer.failure or os_error_in(e)
+        error = disk_error(cause, tmp) if cause is not None else e
     _agree_on_write(error, tmp)  # every rank's files are complete: rank 0 records their checksums, last
     try:
         if rank == 0:
@@ -240,28 +243,36 @@ def save_sharded(directory: Path, step: int, coll: ShardedEmbeddingCollection, t
     return final
 
 
-def _as_disk_error(error: BaseException, where: Path) -> BaseException:
-    """A DiskError for an ``OSError`` behind ``error`` (DCP's CheckpointException holds each rank's failure,
-    with a traceback, in ``failures``), else ``error``."""
-    if isinstance(error, DiskError):
-        return error
-    cause = os_error_in(error)
-    for wrapped in getattr(error, "failures", {}).values():
-        cause = cause or os_error_in(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
-    return error if cause is None else disk_error(cause, where)
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer that keeps the ``OSError`` behind a failed write on this rank (``failure``): DCP passes
+    the failure on as torch.save's "unexpected pos", pickled between ranks without its cause."""
+
+    failure: OSError | None = None
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().write_data(plan, planner)
+        except BaseException as e:
+            self.failure = os_error_in(e)
+            raise
 
 
 def _agree_on_write(error: BaseException | None, tmp: Path) -> None:
-    """Collective: if any rank failed to write, every rank raises (this rank its own error, the others a
-    CheckpointError naming the first failed rank) after rank 0 removed the ``.tmp`` directory."""
-    try:
-        agree(error, "write the checkpoint")
-    except BaseException:
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if error is not None:
-            raise error from None
-        raise
+    """Collective: if any rank failed to write, rank 0 removes the ``.tmp`` directory and every rank raises, in
+    one line: a rank with a disk fault its DiskError, the others a CheckpointError with the first disk fault's
+    message (else the first failed rank's)."""
+    report = None if error is None else (str(error).splitlines() or [type(error).__name__])[0]
+    reports: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (isinstance(error, DiskError), report) if report is not None else None)
+    failed = [(r, m) for r, m in enumerate(reports) if m is not None]
+    if not failed:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(error, DiskError):
+        raise error
+    rank, (_, message) = next(((r, m) for r, m in failed if m[0]), failed[0])
+    raise CheckpointError(f"rank {rank} of {len(reports)} could not write the checkpoint: {message}") from error
 
 
 def list_sharded(directory: Path) -> list[Path]:

@@ -148,3 +148,15 @@ def open_binary(path: Path) -> BinaryIO:
         return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
     f.seek(0)
     return f
+
+
+def first_invalid_utf8_line(path: Path) -> int | None:
+    """The 1-based number of the first line of a (plain or gzipped) text file that is not valid UTF-8, None if
+    every line is (read again on the error path only: pyarrow's message gives no line of the file)."""
+    with open_binary(path) as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return None
