@@ -56,11 +56,12 @@ def run_prepare(args: argparse.Namespace) -> None:
         _run_schema_prepare(args)
         return
     from recstack.data.prepare.criteo_prepare import prepare_criteo, sort_day_files
+    from recstack.data.prepare.readers.base import is_data_file
 
     inputs: list[Path] = []
     for name in args.inputs:
         p = Path(name)
-        inputs.extend(sort_day_files([q for q in p.iterdir() if q.is_file()]) if p.is_dir() else [p])
+        inputs.extend(sort_day_files([q for q in p.iterdir() if is_data_file(q)]) if p.is_dir() else [p])
     report = prepare_criteo(
         inputs, Path(args.out), max_ind_range=args.max_ind_range, vocab_min_freq=args.vocab_min_freq,
         skip_bad_rows=args.skip_bad_rows, overwrite=args.overwrite, sub_sample_rate=args.sub_sample_rate,

@@ -69,3 +69,32 @@ def test_invalid_utf8_names_the_file_and_line(tmp_path: Path, capsys: pytest.Cap
     assert f"{raw}:8: not UTF-8 text" in line, line
     assert main(["data", "inspect", str(raw)]) == 2
     assert f"{raw}:8: not UTF-8 text" in capsys.readouterr().err
+
+
+def criteo_tsv(rows: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    return "".join("\t".join([str(int(rng.random() < 0.3)), *(str(int(v)) for v in rng.integers(0, 50, 13)),
+                              *(f"{int(v):08x}" for v in rng.integers(0, 20, 26))]) + "\n" for _ in range(rows))
+
+
+@pytest.mark.parametrize("schema", [None, CRITEO_CSV])
+def test_a_directory_of_day_files_gives_only_its_data_files(schema: Path | None, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """README, hidden, marker and temporary files beside the day files are not read (each would be a bad row
+    or a whole bad file)."""
+    days = tmp_path / "days"
+    days.mkdir()
+    ext = ".csv" if schema else ".tsv"
+    for i, rows in enumerate([30, 20]):
+        text = csv_text(rows).decode() if schema else criteo_tsv(rows, i)
+        (days / f"day_{i}{ext}").write_text(text)
+        (days / f".day_{i}{ext}.swp").write_text(text)
+    (days / f"day_2{ext}.tmp").write_text("half a file\t1")
+    (days / "README.md").write_text("# Day files\nCriteo, one per day.\n")
+    (days / "_SUCCESS").write_text("")
+    out = tmp_path / "out"
+    args = ["data", "prepare", str(days), "--out", str(out)]
+    args += ["--schema", str(schema), "--no-progress"] if schema else ["--max-ind-range", "100"]
+    assert main(args) == 0, capsys.readouterr().err
+    meta = (out / "meta.json").read_text()
+    assert '"num_rows": 50' in meta

@@ -160,3 +160,16 @@ def first_invalid_utf8_line(path: Path) -> int | None:
             except UnicodeDecodeError:
                 return number
     return None
+
+
+# What a directory of day files holds besides them: hidden files (.DS_Store, editors' swap files), Spark's and
+# Hadoop's markers (_SUCCESS, *.crc), files still being written or copied (*.tmp, *.part, *.partial, *~),
+# and documentation (README*, LICENSE*, *.md, *.rst). Data files have any other name (day_0, day_0.gz, x.csv).
+_NOT_DATA_SUFFIXES = (".tmp", ".part", ".partial", ".crc", ".md", ".rst", "~")
+_NOT_DATA_PREFIXES = (".", "_", "readme", "license")
+
+
+def is_data_file(path: Path) -> bool:
+    """Whether a file found in an input directory is taken as data (the rule above)."""
+    name = path.name.lower()
+    return path.is_file() and not name.startswith(_NOT_DATA_PREFIXES) and not name.endswith(_NOT_DATA_SUFFIXES)
