@@ -27,6 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from recstack.training.evaluate import figures as _figures
     from recstack.training.trainer import Trainer
 
     if args.dump_a2a:  # the capture settings live in [compression]; the flags are shorthands for them
@@ -57,8 +58,3 @@ def run(args: argparse.Namespace) -> dict:
         print(f"best eval: step {summary['best_step']}  {_figures(summary['best'])}")
     return summary
 
-
-def _figures(m: dict) -> str:
-    """AUC, logloss and NE of an evaluation (an undefined one as nan)."""
-    return "  ".join(f"{name} {float('nan') if m.get(k) is None else m[k]:.4f}"
-                     for name, k in (("AUC", "auc"), ("logloss", "logloss"), ("NE", "ne")))

@@ -79,6 +79,12 @@ def summarize(final: dict[str, float], progress: Progress, world: int, target_au
     return out
 
 
+def figures(m: dict[str, Any]) -> str:
+    """AUC, logloss and NE of an evaluation (an undefined one as nan), as the console shows them."""
+    return "  ".join(f"{name} {float('nan') if m.get(k) is None else m[k]:.4f}"
+                     for name, k in (("AUC", "auc"), ("logloss", "logloss"), ("NE", "ne")))
+
+
 def write_summary(summary: dict[str, Any], output_dir: Path, comm_breakdown: bool, pipelined: bool) -> None:
     """``summary.json`` and the plots of ``metrics.jsonl`` (the communication breakdown under torchrun)."""
     # An undefined metric (AUC of a one-class evaluation set) is null: JSON has no NaN.

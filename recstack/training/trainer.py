@@ -48,7 +48,14 @@ from recstack.training.checkpoint.state import (
     Stateful,
 )
 from recstack.training.early_stopping import Monitor
-from recstack.training.evaluate import evaluate_loader, oracle_auc, select_metrics, summarize, write_summary
+from recstack.training.evaluate import (
+    evaluate_loader,
+    figures,
+    oracle_auc,
+    select_metrics,
+    summarize,
+    write_summary,
+)
 from recstack.training.logger import MetricsLogger
 from recstack.training.lr_schedule import LRScaler, LRSchedule
 from recstack.training.step import Progress, build_dense_optimizer, optimizer_step, resolve_device, seed_everything
@@ -95,6 +102,7 @@ class Trainer:
         self.lr = LRScaler(schedule, self.optimizer, self.model) if active else None
         self.total_steps = t.max_steps or t.epochs * len(self.train_loader)
         self.progress = Progress()
+        self._saved_at: int | None = None  # the step of the last checkpoint this run wrote
         self._reliability: dict[str, list[Any]] | None = None  # of the latest evaluation
         # The monitor's state is in the checkpoint only when it is used: other runs' checkpoints stay as they were.
         selection: list[Stateful] = [self.monitor] if self.monitor.active else []
@@ -193,6 +201,7 @@ class Trainer:
                       file=sys.stderr)
 
     def save(self) -> Path | None:
+        self._saved_at = self.step
         return self.checkpointer.save(self.step)
 
     # -- loop ------------------------------------------------------------------------------------------
@@ -259,6 +268,8 @@ class Trainer:
                 if t.eval_every and self.has_eval and p.step % t.eval_every == 0 and p.step < self.total_steps:
                     result = self.evaluate()  # on every rank the same (gathered) figures, so all stop together
                     self.logger.log(p.step, "eval", result)
+                    if self.is_main:  # one line each, as the final one (above the progress bar)
+                        tqdm.write(f"eval at step {p.step}: {figures(result)}")
                     if self._reached_target(result):
                         reached = result
                     saved = self._select(result)  # after target_step is set: a checkpoint it writes records it
@@ -270,7 +281,8 @@ class Trainer:
                                   f"{m.patience} evaluations (best {m.best_value:.6f} at step {m.best_step})")
                 else:
                     saved = False
-                if t.checkpoint_every and p.step % t.checkpoint_every == 0 and not saved:
+                last = p.step >= self.total_steps or reached is not None  # the final checkpoint follows the loop
+                if t.checkpoint_every and p.step % t.checkpoint_every == 0 and not saved and not last:
                     self.save()
                     tick = time.perf_counter()
                 if p.step >= self.total_steps or reached is not None:
@@ -288,7 +300,8 @@ class Trainer:
                 final_saved = True
         else:
             final = {}  # no evaluation rows: no metrics
-        if not final_saved:
+        # Once per step: a run that stopped at an evaluation which saved (a new best) has its final checkpoint.
+        if not final_saved and not (reached is not None and self._saved_at == p.step):
             self.save()
         oracle = oracle_auc(self.eval_ds, (self.eval_loader.start, self.eval_loader.end)) if self.has_eval else None
         summary = summarize(final, p, self.world, t.target_auc, oracle, self._reliability)
