@@ -80,7 +80,9 @@ def test_a_killed_runner_leaves_no_helper_running(tmp_path: Path) -> None:
         _wait_for(proc, "multiprocessing.spawn")  # a task worker (training the FM)
         helpers = _children(proc.pid)
         proc.send_signal(signal.SIGKILL)
-        proc.communicate()
+        proc.wait()  # not communicate(): a helper left running would hold the stderr pipe open
+        assert proc.stderr is not None
+        proc.stderr.close()
         # Each helper checks its parent every 0.5 s; the FM alone trains for far longer than this wait.
         deadline = time.time() + 10
         while time.time() < deadline and any(map(_alive, helpers)):
