@@ -31,3 +31,15 @@ class PeerFailure(RecstackError, RuntimeError):
 class DivergenceError(RecstackError, FloatingPointError):
     """Training diverged: a non-finite loss or weight, or a loss far above its running level
     (``train.divergence_factor``). The run stops before it writes a checkpoint of the diverged values."""
+
+
+class DiskError(RecstackError, OSError):
+    """Writing a file failed on the disk's side: a read-only directory, no permission, no space left, a file
+    where a directory should be. The message names the path and the cause; what was half-written is removed
+    (``recstack.io.writing``)."""
+
+
+class ServiceFailure(RecstackError, RuntimeError):
+    """A helper process recstack started and depends on (the ExFM data augmentation service) died."""
+
+    exit_code = 3

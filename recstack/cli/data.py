@@ -10,6 +10,7 @@ from pathlib import Path
 
 from recstack.data.prepare.schema import FORMATS
 from recstack.errors import ConfigError
+from recstack.io import atomic_write_text, check_writable
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,18 +43,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sy.set_defaults(func=run_synth)
 
 
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Before the work: ``--out`` is a directory to be (re)placed, in a place that takes new files."""
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"--out {out} already exists (pass --overwrite to replace it)")
+    check_writable(out, directory=True)
+
+
 def run_prepare(args: argparse.Namespace) -> None:
+    _check_out(Path(args.out), args.overwrite)
     if args.schema or args.valid or args.test or args.stats_from:  # schema-driven input (any format)
         if args.sub_sample_rate:
             raise SystemExit("data prepare: --sub-sample-rate applies to Criteo raw files, not to --schema input")
         _run_schema_prepare(args)
         return
     from recstack.data.prepare.criteo_prepare import prepare_criteo, sort_day_files
+    from recstack.data.prepare.readers.base import is_data_file
 
     inputs: list[Path] = []
     for name in args.inputs:
         p = Path(name)
-        inputs.extend(sort_day_files([q for q in p.iterdir() if q.is_file()]) if p.is_dir() else [p])
+        inputs.extend(sort_day_files([q for q in p.iterdir() if is_data_file(q)]) if p.is_dir() else [p])
     report = prepare_criteo(
         inputs, Path(args.out), max_ind_range=args.max_ind_range, vocab_min_freq=args.vocab_min_freq,
         skip_bad_rows=args.skip_bad_rows, overwrite=args.overwrite, sub_sample_rate=args.sub_sample_rate,
@@ -80,6 +90,7 @@ def run_synth(args: argparse.Namespace) -> None:
             raise ConfigError(f"--set {text}: expected KEY=VALUE with a generator option (see SynthConfig) as KEY")
         values[keys[0]] = value
     cfg = synth_config(values)
+    _check_out(Path(args.out), args.overwrite)
     out = generate(cfg, Path(args.out), overwrite=args.overwrite)
     print(f"wrote {cfg.rows} synthetic rows to {out}")
 
@@ -171,5 +182,5 @@ def run_inspect(args: argparse.Namespace) -> None:
         if args.infer_schema == "-":
             sys.stdout.write(text)
         else:
-            Path(args.infer_schema).write_text(text)
+            atomic_write_text(args.infer_schema, text)
             print(f"\nwrote the inferred schema to {args.infer_schema}")

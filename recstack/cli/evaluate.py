@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from recstack.cli.args import positive_int
-from recstack.io import json_safe
+from recstack.io import atomic_path, check_writable, json_safe
 
 if TYPE_CHECKING:
     import torch
@@ -76,17 +75,19 @@ def run_predict(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {out}: expected a .npy or .csv file name")
     if out.exists() and not args.overwrite:  # checked before the (long) scoring
         raise FileExistsError(f"--out {out} exists (pass --overwrite to replace it)")
+    check_writable(out, directory=False)  # a read-only or missing place for it, too
     cfg, model = load_model(args.checkpoint, _device(args.device), last=args.last)
     logits, labels = predict_logits(cfg, model, PreparedDataset(args.data), args.batch_size)
     prob = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside the target and renamed over it: an interrupted run leaves no file with rows missing.
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as f:
-        if out.suffix == ".npy":
-            np.save(f, prob.astype(np.float32))
+    # Written beside the target and renamed over it: an interrupted run (or a full disk: a DiskError) leaves no
+    # file with rows missing, and no .tmp.
+    with atomic_path(out) as tmp, open(tmp, "wb") as f:
+        if out.suffix == ".npy":  # header, then the rows by f.write: np.save's own write hides ENOSPC
+            scores = prob.astype(np.float32)
+            np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(scores))
+            f.write(scores.tobytes())
         else:  # CSV: row, score, label
             f.write(b"row,score,label\n")
             f.writelines(f"{i},{p:.7g},{int(y)}\n".encode() for i, (p, y) in enumerate(zip(prob, labels, strict=True)))
-    os.replace(tmp, out)
     print(f"wrote {len(prob)} scores to {out}")

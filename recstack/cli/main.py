@@ -11,6 +11,7 @@ from typing import NoReturn
 from recstack import __version__
 from recstack.cli import compression, data, evaluate, exfm, plan, serving, train
 from recstack.errors import PeerFailure, RecstackError
+from recstack.io import disk_error, os_error_in
 
 COMMAND_GROUPS = (train, evaluate, data, plan, compression, exfm, serving)  # each adds its commands, in --help order
 
@@ -35,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"recstack {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # any other OSError (a disk fault no writer named), or torch's error wrapping one
+        cause = os_error_in(e)
+        if cause is None:
+            raise
+        print(f"recstack {args.command}: error: {disk_error(cause, action=None)}", file=sys.stderr)
         return 2
     return 0
 

@@ -20,6 +20,7 @@ from recstack.distributed.planner.partition import plan_sharding
 from recstack.distributed.planner.report import format_seconds, render_plan
 from recstack.distributed.planner.types import PlanError, ShardingPlan, TableSpec, Topology, parse_json
 from recstack.distributed.sharding import SHARDING_TYPES
+from recstack.io import atomic_write_text, check_writable
 
 NAMED_TABLES = {"criteo_kaggle": 16, "criteo_terabyte": 64}  # name -> DLRM reference dim (bench/*.sh)
 SYNTHETIC_DIM = 128
@@ -257,6 +258,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> ShardingPlan:
+    if args.out:  # before the (long) planning
+        check_writable(args.out, directory=False)
     t0 = time.perf_counter()
     tables = build_tables(args)
     if args.zipf_from:
@@ -280,6 +283,6 @@ def run(args: argparse.Namespace) -> ShardingPlan:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(plan.to_json())
+        atomic_write_text(out, plan.to_json())
         print(f"wrote {out}")
     return plan

@@ -8,12 +8,14 @@ from pathlib import Path
 
 from recstack.cli.args import positive_int
 from recstack.errors import ConfigError
+from recstack.io import check_writable
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
     from recstack.serving.artifact import read_manifest
     from recstack.serving.export import export_checkpoint
 
+    check_writable(args.out, directory=True, inside=True)  # before reading and quantizing the tables
     path, version = export_checkpoint(args.checkpoint, args.out, args.tables, args.table, args.data)
     m = read_manifest(path, verify=False)
     tb = m["table_bytes"]

@@ -7,6 +7,7 @@ import json
 
 from recstack.config import load_config
 from recstack.errors import ConfigError
+from recstack.io import check_writable
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from recstack.training.evaluate import figures as _figures
     from recstack.training.trainer import Trainer
 
     if args.dump_a2a:  # the capture settings live in [compression]; the flags are shorthands for them
@@ -38,6 +40,8 @@ def run(args: argparse.Namespace) -> dict:
             raise ConfigError(f"--dump-steps {args.dump_steps!r}: expected comma-separated step numbers") from e
         args.overrides += [f"compression.dump_dir={json.dumps(args.dump_a2a)}", f"compression.dump_steps={steps}"]
     cfg = load_config(args.config, args.overrides)
+    if args.output_dir:  # a read-only or full place for the run fails now, not at its first checkpoint
+        check_writable(args.output_dir, directory=True, inside=True)
     trainer = Trainer(cfg, args.output_dir, resume=args.resume, overwrite=args.overwrite,
                       resume_on_new_data=args.resume_on_new_data)
     try:
@@ -58,8 +62,3 @@ def run(args: argparse.Namespace) -> dict:
         print(f"best eval: step {summary['best_step']}  {_figures(summary['best'])}")
     return summary
 
-
-def _figures(m: dict) -> str:
-    """AUC, logloss and NE of an evaluation (an undefined one as nan)."""
-    return "  ".join(f"{name} {float('nan') if m.get(k) is None else m[k]:.4f}"
-                     for name, k in (("AUC", "auc"), ("logloss", "logloss"), ("NE", "ne")))

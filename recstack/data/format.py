@@ -40,6 +40,7 @@ import torch
 
 from recstack.data.batch import Batch, SparseFeatures
 from recstack.errors import RecstackError
+from recstack.io import check_writable, writing
 
 FORMAT_NAME = "recstack-prepared"
 FORMAT_VERSION = 1
@@ -170,6 +171,7 @@ class PreparedWriter:
         self.out_dir = Path(out_dir)
         if self.out_dir.exists() and not overwrite:
             raise FileExistsError(f"{self.out_dir} already exists (pass overwrite to replace it)")
+        check_writable(self.out_dir, directory=True)  # a file in its place, a read-only parent: now, not at close
         self.tmp_dir = self.out_dir.with_name(self.out_dir.name + ".tmp")
         if self.tmp_dir.exists():
             shutil.rmtree(self.tmp_dir)
@@ -299,10 +301,13 @@ class PreparedWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
+        # A disk fault (full, read-only) is a DiskError naming the directory; the .tmp directory is removed.
+        with writing(self.tmp_dir, remove=[self.tmp_dir]):
+            if exc_type is None:
+                self.close()
+                return
             self.abort()
+            raise exc
 
 
 class PreparedDataset:

@@ -30,6 +30,7 @@ from recstack.data.batch import Batch
 from recstack.data.format import PreparedDataset
 from recstack.exfm.config import StreamConfig
 from recstack.exfm.fm import load_snapshot, table_caps, wait_for_snapshot
+from recstack.exfm.lifetime import exit_with_parent
 from recstack.exfm.store import DasStore
 from recstack.exfm.windows import VerticalIndex, make_windows, staleness_version
 from recstack.models.dlrm import DLRM
@@ -155,7 +156,10 @@ def run_das(job: DasJob, log=print) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m recstack.exfm.das", description=__doc__.split("\n\n")[0])
     p.add_argument("--job", required=True, help="DasJob JSON file")
+    p.add_argument("--parent-pid", type=int, help="exit as soon as this process (the runner) is gone")
     args = p.parse_args(argv)
+    if args.parent_pid:
+        exit_with_parent(args.parent_pid)
     job = DasJob.load(Path(args.job))
     stats = run_das(job, log=lambda line: print(line, flush=True))
     print(json.dumps({"das_done": True, **stats}), flush=True)

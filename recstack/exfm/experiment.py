@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import time
@@ -33,9 +34,10 @@ import torch
 
 from recstack.data.format import PreparedDataset
 from recstack.data.integrity import check_values
-from recstack.errors import ConfigError
+from recstack.errors import ConfigError, ServiceFailure
 from recstack.exfm.config import ExfmConfig, exfm_config_from_dict, movielens_config, synth_config
 from recstack.exfm.das import DasJob
+from recstack.exfm.lifetime import exit_with_parent
 from recstack.exfm.vm_stream import VMJob
 from recstack.exfm.windows import VerticalIndex, make_windows
 
@@ -108,8 +110,9 @@ def arm_key(cfg: ExfmConfig, job: VMJob, warm: str, store: str) -> str:
                  "distill_head_init": job.distill_head_init if labels else None})
 
 
-def _init_worker(threads: int) -> None:
+def _init_worker(threads: int, runner_pid: int) -> None:
     torch.set_num_threads(threads)
+    exit_with_parent(runner_pid)  # a killed runner leaves no worker training on
 
 
 def _run_task(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -206,16 +209,20 @@ class ExperimentRunner:
         sd.mkdir(parents=True, exist_ok=True)
         path = job.save(sd / "das_job.json")
         log = open(sd / "das.log", "a")  # the child keeps its own handle; ours is closed right away
-        self.das[seed] = subprocess.Popen([sys.executable, "-m", "recstack.exfm.das", "--job", str(path)],
-                                          stdout=log, stderr=subprocess.STDOUT)
+        self.das[seed] = subprocess.Popen([sys.executable, "-m", "recstack.exfm.das", "--job", str(path),
+                                           "--parent-pid", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
     def _check_das(self, final: bool = False) -> None:
         for seed, proc in self.das.items():
             rc = proc.wait() if final else proc.poll()
             if rc not in (None, 0):
-                tail = (self.out / f"seed{seed}" / "das.log").read_text()[-2000:]
-                raise RuntimeError(f"DAS of seed {seed} exited with status {rc}:\n{tail}")
+                log = self.out / f"seed{seed}" / "das.log"
+                lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+                why = f"signal {-rc}" if rc < 0 else f"status {rc}"
+                last = f"; its last line: {lines[-1][-300:]}" if lines else ""
+                raise ServiceFailure(f"the data augmentation service (DAS) of seed {seed} died ({why}), so the "
+                                     f"vertical models would wait for FM labels that never come; see {log}{last}")
 
     def run(self) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -233,7 +240,7 @@ class ExperimentRunner:
         ctx = mp.get_context("spawn")  # no fork after torch has started its thread pools
         try:
             pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                       initargs=(self.cfg.experiment.threads,))
+                                       initargs=(self.cfg.experiment.threads, os.getpid()))
             try:
                 running: dict[Future, Task] = {}
                 while pending or running:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TextIO
 
 import torch
@@ -14,6 +15,7 @@ from recstack.embedding.tiered.placement import build_collection, memory_budgets
 from recstack.errors import ConfigError
 from recstack.models.config import ModelConfig
 from recstack.models.dlrm import DLRM
+from recstack.units import format_bytes
 
 
 def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = None,
@@ -35,6 +37,33 @@ def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = No
         reserved = min(max((zero_rows or [0] * len(table_sizes))[i] for i in feats), table_sizes[feats[0]])
         tables.append(TableConfig(name, table_sizes[feats[0]], dims.get(name, dim), tuple(feats), reserved))
     return tables
+
+
+def device_memory(device: torch.device) -> int:
+    """The bytes of memory ``device`` has in all: the GPU's, or the machine's physical memory for the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+
+
+def check_tables_fit(tables: list[TableConfig], row_state: bool, device: torch.device) -> None:
+    """Before allocating: the tables held in memory on ``device`` (float32 rows, and with ``row_state`` one
+    float32 accumulator per row) must fit in its memory; a ConfigError naming the largest table and the bytes
+    needed and there otherwise (an absurd table size would end in an allocator error without either)."""
+    if not tables:
+        return
+    per_row = [4 * t.embedding_dim + (4 if row_state else 0) for t in tables]
+    need = [t.num_embeddings * b for t, b in zip(tables, per_row, strict=True)]
+    have = device_memory(device)
+    if sum(need) <= have:
+        return
+    big = max(range(len(tables)), key=need.__getitem__)
+    t = tables[big]
+    raise ConfigError(
+        f"table {t.name!r}: {t.num_embeddings:,} rows x {t.embedding_dim} need {format_bytes(need[big])} "
+        f"({format_bytes(sum(need))} for all {len(tables)} tables), more than the {format_bytes(have)} of memory "
+        f"on {device}; cap the tables (model.max_table_size), hash the feature into fewer rows, or keep them in "
+        "memory tiers ([memory] budgets)")
 
 
 def build_model(
@@ -72,6 +101,8 @@ def build_model(
     if budgets and mixed:
         raise ConfigError("model.table_dims: tables of different dims cannot be placed over memory tiers "
                           "([memory] budgets); give every table model.embedding_dim or drop the budgets")
+    if not budgets and not tables_on_meta:  # (sharded tables: each rank builds its shards, planned to fit)
+        check_tables_fit(tables, sparse_optim.kind == "rowwise_adagrad", torch.device(device))
     if budgets and not tables_on_meta:  # tables that do not fit get cached tiers (plan printed); sharded, each
         # rank places its own shards instead (``recstack.distributed.tiered_shards``)
         assert memory is not None

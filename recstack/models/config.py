@@ -81,6 +81,10 @@ class ModelConfig:
         """The bottom MLP against the data's ``num_dense`` dense features, checked when the model is built (only
         then is the data known): with dense features the dot interaction needs it to end in ``embedding_dim``;
         without them there is no bottom MLP and ``bottom_mlp`` is not used."""
+        if num_dense and not self.bottom_mlp:
+            raise ConfigError(f"model.bottom_mlp: the data has {num_dense} dense features, which need a bottom MLP "
+                              f"(at least one layer{', ending in embedding_dim' if self.interaction == 'dot' else ''}"
+                              f"), got []")
         if num_dense and self.interaction == "dot" and self.bottom_mlp and self.bottom_mlp[-1] != self.embedding_dim:
             raise ConfigError(f"model.bottom_mlp: the dot interaction needs it to end in "
                               f"embedding_dim={self.embedding_dim}, got {self.bottom_mlp}")

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from recstack.errors import RecstackError
-from recstack.io import fsync_dir
+from recstack.io import disk_error, fsync_dir, os_error_in
 
 FORMAT_NAME = "recstack-serving-artifact"
 FORMAT_VERSION = 1
@@ -164,9 +164,12 @@ def write_artifact(out: str | Path, fill: Callable[[Path, int], dict[str, Any]])
                 continue
             if isinstance(e, FileExistsError):
                 raise ArtifactError(f"--out {target} exists") from None
-            raise
-        except BaseException:
+            raise disk_error(e, target) from e
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            cause = None if isinstance(e, RecstackError) else os_error_in(e)  # torch.save's "unexpected pos"
+            if cause is not None:
+                raise disk_error(cause, target) from e
             raise
         fsync_dir(parent)  # the rename itself
         return target, version

@@ -14,7 +14,7 @@ import torch
 from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.embedding.collection import EmbeddingCollection
-from recstack.io import json_safe
+from recstack.io import atomic_write_text, json_safe
 from recstack.metrics import BinaryMetrics, auc
 from recstack.training.step import Progress
 
@@ -79,10 +79,16 @@ def summarize(final: dict[str, float], progress: Progress, world: int, target_au
     return out
 
 
+def figures(m: dict[str, Any]) -> str:
+    """AUC, logloss and NE of an evaluation (an undefined one as nan), as the console shows them."""
+    return "  ".join(f"{name} {float('nan') if m.get(k) is None else m[k]:.4f}"
+                     for name, k in (("AUC", "auc"), ("logloss", "logloss"), ("NE", "ne")))
+
+
 def write_summary(summary: dict[str, Any], output_dir: Path, comm_breakdown: bool, pipelined: bool) -> None:
     """``summary.json`` and the plots of ``metrics.jsonl`` (the communication breakdown under torchrun)."""
     # An undefined metric (AUC of a one-class evaluation set) is null: JSON has no NaN.
-    (output_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False))
+    atomic_write_text(output_dir / "summary.json", json.dumps(json_safe(summary), indent=2, allow_nan=False))
     from recstack.training.plots import plot_comm_breakdown, plot_curves, plot_reliability
 
     plot_curves(output_dir / "metrics.jsonl", output_dir / "curves.png")

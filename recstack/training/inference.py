@@ -30,13 +30,17 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", last:
     checkpoint) -> (config, model) in one process. Notes such as the embedding placement and the checkpoint
     chosen go to stderr, so that stdout carries only the caller's results."""
     state = Checkpointer.read(checkpoint, device, last=last)
-    if Path(state["path"]).resolve() != Path(checkpoint).resolve():
-        print(f"checkpoint: {state['path']} (step {state.get('step')})", file=sys.stderr)
+    print(f"checkpoint: {state['path']} (step {state.get('step')})", file=sys.stderr)  # which one, always
     where = state["path"]
     missing = [k for k in ("config", "num_dense", "table_sizes", "model") if k not in state]
     if missing:  # e.g. an ExFM stream's checkpoint
         raise ValueError(f"{where}: not a recstack train checkpoint (no {', '.join(missing)})")
     cfg = config_from_dict(state["config"])
+    workdir = state.get("workdir")  # where the run started: its relative data paths are relative to it
+    if isinstance(workdir, str):
+        d = cfg.data
+        d.train, d.eval = (str(Path(workdir) / p) if p and not Path(p).is_absolute() else p
+                           for p in (d.train, d.eval))
     # Placement notes to stderr: stdout is the JSON of `recstack eval`.
     model = build_model(cfg.model, sparse_optimizer_config(cfg.optim), state["num_dense"], state["table_sizes"],
                         seed=cfg.train.seed, device=device, names=state.get("table_names"), memory=cfg.memory,

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from recstack.io import atomic_write_text
+from recstack.io import atomic_write_text, writing
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -96,13 +96,16 @@ class MetricsLogger:
         record = {"step": int(step), "kind": kind, "time": time.time(), **clean}
         assert self._file is not None
         # allow_nan=False guards the "null for non-finite" promise: a NaN slipping through would fail here.
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        line = json.dumps(record, allow_nan=False) + "\n"
+        with writing(self.output_dir / METRICS_FILE):  # a full disk: a DiskError naming the file
+            self._file.write(line)
+            self._file.flush()
         if self._writer is not None:
-            for key, value in clean.items():
-                if value is not None:  # TensorBoard plots NaN as a gap at best; leave the point out
-                    self._writer.add_scalar(f"{kind}/{key}", value, global_step=int(step))
-            self._writer.flush()
+            with writing(self.output_dir / TB_DIR):  # the event writer's thread re-raises its OSError here
+                for key, value in clean.items():
+                    if value is not None:  # TensorBoard plots NaN as a gap at best; leave the point out
+                        self._writer.add_scalar(f"{kind}/{key}", value, global_step=int(step))
+                self._writer.flush()
 
     def close(self) -> None:
         """Flush and close both outputs; safe to call twice."""

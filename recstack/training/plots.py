@@ -15,7 +15,14 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from recstack.io import atomic_path
 from recstack.training.logger import read_jsonl
+
+
+def _save(fig: Figure, out: Path) -> None:
+    """A PNG written whole or not at all (a full disk: a DiskError naming it, no truncated image left)."""
+    with atomic_path(out, sync_dir=False) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
 
 # (kind, key, panel title, y label) for each panel, top to bottom.
 PANELS: tuple[tuple[str, str, str, str], ...] = (
@@ -100,7 +107,7 @@ def plot_curves(metrics_jsonl: Path | str, out_png: Path | str) -> Path:
 
     out_png.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)  # attaches itself to fig; savefig then renders with Agg
-    fig.savefig(out_png, dpi=100)
+    _save(fig, Path(out_png))
     return out_png
 
 
@@ -150,7 +157,7 @@ def plot_comm_breakdown(metrics_jsonl: Path | str, out_png: Path | str, pipeline
         ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    _save(fig, Path(out))
     return out
 
 
@@ -184,5 +191,5 @@ def plot_reliability(bins: dict[str, list[Any]], out_png: Path | str) -> Path:
     bottom.set_xlabel("predicted probability")
     bottom.set_ylabel("examples")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    _save(fig, Path(out))
     return out

@@ -32,6 +32,7 @@ from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.errors import ConfigError, DivergenceError, PeerFailure
+from recstack.io import atomic_write_text
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.checkpointer import Checkpointer, any_checkpoint
@@ -48,7 +49,14 @@ from recstack.training.checkpoint.state import (
 )
 from recstack.training.divergence import DivergenceGuard
 from recstack.training.early_stopping import Monitor
-from recstack.training.evaluate import evaluate_loader, oracle_auc, select_metrics, summarize, write_summary
+from recstack.training.evaluate import (
+    evaluate_loader,
+    figures,
+    oracle_auc,
+    select_metrics,
+    summarize,
+    write_summary,
+)
 from recstack.training.logger import MetricsLogger
 from recstack.training.lr_schedule import LRScaler, LRSchedule
 from recstack.training.step import Progress, build_dense_optimizer, optimizer_step, resolve_device, seed_everything
@@ -99,6 +107,7 @@ class Trainer:
         self.total_steps = t.max_steps or t.epochs * len(self.train_loader)
         self.progress = Progress()
         self.guard = DivergenceGuard(t.divergence_factor, t.divergence_window, self.world, self.device)
+        self._saved_at: int | None = None  # the step of the last checkpoint this run wrote
         self._reliability: dict[str, list[Any]] | None = None  # of the latest evaluation
         # The monitor's state is in the checkpoint only when it is used: other runs' checkpoints stay as they were.
         selection: list[Stateful] = [self.monitor] if self.monitor.active else []
@@ -115,7 +124,7 @@ class Trainer:
         if resume:
             self._resume()
         if self.output_dir and self.is_main:  # after the resume check: a refused resume leaves the run as it was
-            (self.output_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            atomic_write_text(self.output_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
         # A resumed run drops what the stopped run logged after its checkpoint (it is about to be redone).
         self.logger = MetricsLogger(self.output_dir if self.is_main else None,
                                     resume_step=self.step if resume else None)
@@ -215,6 +224,7 @@ class Trainer:
             why = self.guard.check_weights(self.model)
             if why is not None:
                 self._diverged(f"step {self.step}: {why}", self.step)
+        self._saved_at = self.step
         return self.checkpointer.save(self.step)
 
     def _diverged(self, why: str, weights_step: int) -> None:
@@ -298,6 +308,8 @@ class Trainer:
                     result = self.evaluate()  # on every rank the same (gathered) figures, so all stop together
                     self._check_eval(result)
                     self.logger.log(p.step, "eval", result)
+                    if self.is_main:  # one line each, as the final one (above the progress bar)
+                        tqdm.write(f"eval at step {p.step}: {figures(result)}")
                     if self._reached_target(result):
                         reached = result
                     saved = self._select(result)  # after target_step is set: a checkpoint it writes records it
@@ -309,7 +321,8 @@ class Trainer:
                                   f"{m.patience} evaluations (best {m.best_value:.6f} at step {m.best_step})")
                 else:
                     saved = False
-                if t.checkpoint_every and p.step % t.checkpoint_every == 0 and not saved:
+                last = p.step >= self.total_steps or reached is not None  # the final checkpoint follows the loop
+                if t.checkpoint_every and p.step % t.checkpoint_every == 0 and not saved and not last:
                     self.save()
                     tick = time.perf_counter()
                 if p.step >= self.total_steps or reached is not None:
@@ -328,7 +341,8 @@ class Trainer:
                 final_saved = True
         else:
             final = {}  # no evaluation rows: no metrics
-        if not final_saved:
+        # Once per step: a run that stopped at an evaluation which saved (a new best) has its final checkpoint.
+        if not final_saved and not (reached is not None and self._saved_at == p.step):
             self.save()
         oracle = oracle_auc(self.eval_ds, (self.eval_loader.start, self.eval_loader.end)) if self.has_eval else None
         summary = summarize(final, p, self.world, t.target_auc, oracle, self._reliability)

@@ -30,14 +30,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from recstack.distributed.agreement import gather_failures
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.distributed.sharding import Shard
 from recstack.embedding import TableConfig
-from recstack.errors import CheckpointError
-from recstack.io import fsync_dir, open_synced
+from recstack.errors import CheckpointError, DiskError
+from recstack.io import disk_error, fsync_dir, open_synced, os_error_in, writing
 from recstack.training.checkpoint.integrity import (
     DIGESTS,
     SafeFileSystemReader,
@@ -200,30 +201,79 @@ def _write(path: Path, state: dict[str, Any]) -> None:
 def save_sharded(directory: Path, step: int, coll: ShardedEmbeddingCollection, trainer_state: dict[str, Any],
                  keep: int = 0, rank_state: dict[str, Any] | None = None) -> Path:
     """Collective. ``trainer_state``: rank 0's (replicated) state; ``rank_state``: this rank's own, written
-    to ``rank_<rank>.pt``. Returns the final checkpoint directory."""
+    to ``rank_<rank>.pt``. Returns the final checkpoint directory. A disk fault on any rank (full, read-only) is
+    an error on every rank (a :class:`DiskError` naming the file where it happened, a :class:`CheckpointError`
+    naming that rank elsewhere); the ``.tmp`` directory is removed and the earlier checkpoints stay the newest."""
     final = directory / f"step_{step:09d}"
     tmp = directory / f"step_{step:09d}.tmp"
+    rank = dist.get_rank()
+    error: BaseException | None = None
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+    except OSError as e:
+        error = disk_error(e, tmp)
+    _agree_on_write(error, tmp)  # (the barrier before any rank writes into tmp)
+    writer = _RecordingWriter(str(tmp))
+    try:  # collective: a failure on one rank fails all
+        dcp.save(embedding_state(coll), checkpoint_id=str(tmp), storage_writer=writer)
+        if rank_state is not None:  # inside the .tmp directory, so it appears with the rest or not at all
+            with writing(rank_file(tmp, rank)):
+                _write(rank_file(tmp, rank), rank_state)
+    except (Exception, dcp.CheckpointException) as e:  # DCP's own error is a BaseException
+        cause = writer.failure or os_error_in(e)
+        error = disk_error(cause, tmp) if cause is not None else e
+    _agree_on_write(error, tmp)  # every rank's files are complete: rank 0 records their checksums, last
+    try:
+        if rank == 0:
+            with writing(tmp / SHARDED_STATE_FILE):
+                others = [p.name for p in tmp.iterdir() if p.name != SHARDED_STATE_FILE]
+                _write(tmp / SHARDED_STATE_FILE, {**trainer_state, "step": step, "complete": True,
+                                                  DIGESTS: file_digests(tmp, others)})
+                fsync_dir(tmp)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+            if keep > 0:
+                for old in list_sharded(directory)[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+    except Exception as e:
+        error = e
+    _agree_on_write(error, tmp)
+    return final
+
+
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer that keeps the ``OSError`` behind a failed write on this rank (``failure``): DCP passes
+    the failure on as torch.save's "unexpected pos", pickled between ranks without its cause."""
+
+    failure: OSError | None = None
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().write_data(plan, planner)
+        except BaseException as e:
+            self.failure = os_error_in(e)
+            raise
+
+
+def _agree_on_write(error: BaseException | None, tmp: Path) -> None:
+    """Collective: if any rank failed to write, rank 0 removes the ``.tmp`` directory and every rank raises, in
+    one line: a rank with a disk fault its DiskError, the others a CheckpointError with the first disk fault's
+    message (else the first failed rank's)."""
+    report = None if error is None else (str(error).splitlines() or [type(error).__name__])[0]
+    reports: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (isinstance(error, DiskError), report) if report is not None else None)
+    failed = [(r, m) for r, m in enumerate(reports) if m is not None]
+    if not failed:
+        return
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(embedding_state(coll), checkpoint_id=str(tmp))
-    if rank_state is not None:  # inside the .tmp directory, so it appears with the rest or not at all
-        _write(rank_file(tmp, dist.get_rank()), rank_state)
-    dist.barrier()  # every rank's files are complete: rank 0 records their checksums in trainer.pt, last
-    if dist.get_rank() == 0:
-        others = [p.name for p in tmp.iterdir() if p.name != SHARDED_STATE_FILE]
-        _write(tmp / SHARDED_STATE_FILE, {**trainer_state, "step": step, "complete": True,
-                                          DIGESTS: file_digests(tmp, others)})
-        fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if keep > 0:
-            for old in list_sharded(directory)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+    if isinstance(error, DiskError):
+        raise error
+    rank, (_, message) = next(((r, m) for r, m in failed if m[0]), failed[0])
+    raise CheckpointError(f"rank {rank} of {len(reports)} could not write the checkpoint: {message}") from error
 
 
 def list_sharded(directory: Path) -> list[Path]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from recstack.errors import CheckpointError
-from recstack.io import fsync_dir, fsync_file, open_synced
+from recstack.io import fsync_dir, fsync_file, open_synced, writing
 from recstack.training.checkpoint.integrity import DIGESTS, file_digests, load_pt, note_unverified, verify_files
 
 _NAME = re.compile(r"^ckpt_(\d{9})(\.pt)?$")  # a file ckpt_<step>.pt or a directory ckpt_<step>
@@ -54,15 +54,32 @@ def save_checkpoint(
     called with the path it must create inside it, then ``state.pt`` is written last.
     """
     directory = Path(directory)
+    final = checkpoint_path(directory, step) if not files else directory / f"ckpt_{step:09d}"
+    tmp = final.with_name(final.name + ".tmp")
+    # A disk fault (full, read-only) is a DiskError naming the file; the .tmp is removed, the earlier
+    # checkpoints stay the newest valid ones.
+    with writing(final, remove=[tmp]):
+        _write_checkpoint(directory, final, tmp, step, state, files)
+    if keep > 0:
+        # The one just written always stays, even when a stale one has a higher step (a run resumed from an
+        # earlier checkpoint because the newest did not load): pruning by step alone would delete it.
+        others = [p for p in list_checkpoints(directory) if p != final]
+        for old_ckpt in others[: max(len(others) - (keep - 1), 0)]:
+            if old_ckpt.is_dir():
+                shutil.rmtree(old_ckpt, ignore_errors=True)
+            else:
+                old_ckpt.unlink(missing_ok=True)
+    return final
+
+
+def _write_checkpoint(directory: Path, final: Path, tmp: Path, step: int, state: dict[str, Any],
+                      files: dict[str, Callable[[Path], None]] | None) -> None:
+    """``save_checkpoint``'s writes: ``tmp`` filled and renamed to ``final``."""
     directory.mkdir(parents=True, exist_ok=True)
     if not files:
-        final = checkpoint_path(directory, step)
-        tmp = final.with_name(final.name + ".tmp")
         _write_state(tmp, step, state)
         os.replace(tmp, final)
     else:
-        final = directory / f"ckpt_{step:09d}"
-        tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         tmp.mkdir()
         for rel, writer in files.items():
@@ -85,16 +102,6 @@ def save_checkpoint(
         else:
             os.replace(tmp, final)
     fsync_dir(directory)
-    if keep > 0:
-        # The one just written always stays, even when a stale one has a higher step (a run resumed from an
-        # earlier checkpoint because the newest did not load): pruning by step alone would delete it.
-        others = [p for p in list_checkpoints(directory) if p != final]
-        for old_ckpt in others[: max(len(others) - (keep - 1), 0)]:
-            if old_ckpt.is_dir():
-                shutil.rmtree(old_ckpt, ignore_errors=True)
-            else:
-                old_ckpt.unlink(missing_ok=True)
-    return final
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

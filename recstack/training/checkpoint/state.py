@@ -10,6 +10,7 @@ it was, so a component's ``state_dict()`` is its part of the checkpoint's top-le
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any, Protocol, cast
 
@@ -136,14 +137,15 @@ class RNGState:
 
 
 class RunInfo:
-    """What the run was (``config``, ``num_dense``, ``table_sizes``, ``table_names`` per feature, ``world_size``):
-    saved so that evaluation can rebuild the model; a resumed run is built from its own config, so loading
+    """What the run was (``config``, ``num_dense``, ``table_sizes``, ``table_names`` per feature, ``world_size``,
+    and ``workdir``, the directory its relative data paths are relative to): saved so that evaluation can
+    rebuild the model and find its data from anywhere; a resumed run is built from its own config, so loading
     reads nothing."""
 
     def __init__(self, config: dict[str, Any], num_dense: int, table_sizes: list[int], table_names: list[str],
                  world: int) -> None:
         self.info = {"config": config, "num_dense": num_dense, "table_sizes": table_sizes,
-                     "table_names": table_names, "world_size": world}
+                     "table_names": table_names, "world_size": world, "workdir": os.getcwd()}
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.info)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recstack.data.prepare.readers.base import BadRow, BadRowLog, DataError, RawChunk, Source
+from recstack.data.prepare.readers.base import BadRow, BadRowLog, DataError, RawChunk, Source, is_data_file
 from recstack.data.prepare.readers.csv import CsvSource
 from recstack.data.prepare.readers.libfm import VALUE_SUFFIX, LibfmSource
 from recstack.data.prepare.readers.parquet import ParquetSource, parquet_files
@@ -12,8 +12,8 @@ from recstack.data.prepare.schema import SourceSpec, detect_format
 
 
 def expand_inputs(paths: list[str | Path], spec: SourceSpec | None = None) -> list[Path]:
-    """Files to read in order: a directory of Parquet parts becomes its files; other directories their
-    files in name order."""
+    """Files to read in order: a directory of Parquet parts becomes its files; other directories their data
+    files (``is_data_file``: no hidden, temporary or documentation files) in name order."""
     out: list[Path] = []
     for name in paths:
         p = Path(name)
@@ -23,7 +23,7 @@ def expand_inputs(paths: list[str | Path], spec: SourceSpec | None = None) -> li
             if detect_format(p, spec) == "parquet":
                 out += parquet_files(p)
             else:
-                out += sorted(q for q in p.iterdir() if q.is_file() and not q.name.startswith("."))
+                out += sorted(q for q in p.iterdir() if is_data_file(q))
         else:
             out.append(p)
     return out

@@ -148,3 +148,28 @@ def open_binary(path: Path) -> BinaryIO:
         return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
     f.seek(0)
     return f
+
+
+def first_invalid_utf8_line(path: Path) -> int | None:
+    """The 1-based number of the first line of a (plain or gzipped) text file that is not valid UTF-8, None if
+    every line is (read again on the error path only: pyarrow's message gives no line of the file)."""
+    with open_binary(path) as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return None
+
+
+# What a directory of day files holds besides them: hidden files (.DS_Store, editors' swap files), Spark's and
+# Hadoop's markers (_SUCCESS, *.crc), files still being written or copied (*.tmp, *.part, *.partial, *~),
+# and documentation (README*, LICENSE*, *.md, *.rst). Data files have any other name (day_0, day_0.gz, x.csv).
+_NOT_DATA_SUFFIXES = (".tmp", ".part", ".partial", ".crc", ".md", ".rst", "~")
+_NOT_DATA_PREFIXES = (".", "_", "readme", "license")
+
+
+def is_data_file(path: Path) -> bool:
+    """Whether a file found in an input directory is taken as data (the rule above)."""
+    name = path.name.lower()
+    return path.is_file() and not name.startswith(_NOT_DATA_PREFIXES) and not name.endswith(_NOT_DATA_SUFFIXES)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ from recstack.data.prepare.readers.base import (
     DataError,
     RawChunk,
     Source,
+    first_invalid_utf8_line,
     open_binary,
     report_in_order,
 )
@@ -95,25 +96,12 @@ class CsvSource(Source):
             return "skip"
 
         raw, stream = self._stream()
-        reader = pcsv.open_csv(
-            stream,
-            read_options=pcsv.ReadOptions(
-                use_threads=False, block_size=BLOCK_BYTES, column_names=self.columns,
-                skip_rows=1 if self.header else 0,
-            ),
-            parse_options=pcsv.ParseOptions(
-                delimiter=self.delimiter, quote_char='"' if self.quoted else False, invalid_row_handler=on_invalid,
-            ),
-            convert_options=pcsv.ConvertOptions(
-                include_columns=columns, column_types={c: pa.string() for c in columns},
-                strings_can_be_null=True, quoted_strings_can_be_null=False,
-            ),
-        )
         first_line = 2 if self.header else 1
         done = 0  # data rows yielded so far
         buffered: list[pa.RecordBatch] = []
         have = 0
         try:
+            reader = self._open(stream, columns, on_invalid)  # reads the first block already
             for batch in reader:
                 buffered.append(batch)
                 have += batch.num_rows
@@ -128,10 +116,34 @@ class CsvSource(Source):
             report_in_order(self.log, pending, [])  # rejected rows after the last good one
             pending.clear()
         except pa.ArrowInvalid as e:
+            if "invalid UTF8" in str(e):
+                line = first_invalid_utf8_line(self.path)
+                raise DataError(f"{self.path}:{line}" if line else str(self.path), None, None,
+                                "not UTF-8 text (save the file as UTF-8)") from e
             raise DataError(str(self.path), None, None, f"cannot parse ({e})") from e
+        except OSError as e:  # pyarrow's "Truncated compressed stream" and other read errors
+            raise DataError(str(self.path), None, None, f"cannot read it after {first_line + done - 1} lines: "
+                                                        f"corrupt or truncated ({e})") from e
         finally:
             raw.close()
         self.progress = self.size
+
+    def _open(self, stream: pa.NativeFile, columns: list[str], on_invalid: Callable[[pcsv.InvalidRow], str]
+              ) -> pcsv.CSVStreamingReader:
+        return pcsv.open_csv(
+            stream,
+            read_options=pcsv.ReadOptions(
+                use_threads=False, block_size=BLOCK_BYTES, column_names=self.columns,
+                skip_rows=1 if self.header else 0,
+            ),
+            parse_options=pcsv.ParseOptions(
+                delimiter=self.delimiter, quote_char='"' if self.quoted else False, invalid_row_handler=on_invalid,
+            ),
+            convert_options=pcsv.ConvertOptions(
+                include_columns=columns, column_types={c: pa.string() for c in columns},
+                strings_can_be_null=True, quoted_strings_can_be_null=False,
+            ),
+        )
 
     def _chunk(self, table: pa.Table, done: int, first_line: int, invalid: list[int],
                pending: list[tuple[int, BadRow]], file_index: int) -> RawChunk:

@@ -20,8 +20,11 @@ malformed line is re-parsed line by line, which names the line and the problem.
 
 from __future__ import annotations
 
+import gzip
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -65,6 +68,16 @@ def _numbers(buf: bytes, starts: np.ndarray, ends: np.ndarray, tp: pa.DataType) 
     return out.to_numpy(zero_copy_only=False)
 
 
+def _read(f: BinaryIO, path: Path, lines: int | None, size: int) -> bytes:
+    """``f.read(size)``; a gzip stream that is corrupt or ends early is a DataError naming the file and the
+    number of whole lines read before it (``lines``; None: in the first read, where none are counted yet)."""
+    try:
+        return f.read(size)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        where = f" after line {lines}" if lines is not None else f" in its first {size >> 20} MiB"
+        raise DataError(str(path), None, None, f"corrupt or truncated gzip data{where} ({e})") from e
+
+
 class LibfmSource(Source):
     size_unit = "B"
 
@@ -72,7 +85,7 @@ class LibfmSource(Source):
         super().__init__(path, chunk_rows, log)
         self.size = self.path.stat().st_size
         with open_binary(self.path) as f:
-            head = f.read(1 << 20)
+            head = _read(f, self.path, None, 1 << 20)
         data_lines = [ln.split() for ln in head.split(b"\n")[:-1] or [head]]
         sample = [t for t in data_lines if t]
         if not sample:
@@ -108,14 +121,16 @@ class LibfmSource(Source):
     def _blocks(self) -> Iterator[bytes]:
         """Blocks of whole lines, each ending in a newline (one is added to an unterminated last line)."""
         tail = b""
+        lines = 0  # whole lines read so far: where a truncated gzip file ends
         with open_binary(self.path) as f:
             raw = getattr(f, "fileobj", f)  # the compressed file under a GzipFile: progress in file bytes
-            while data := f.read(BLOCK_BYTES):
+            while data := _read(f, self.path, lines, BLOCK_BYTES):
                 self.progress = raw.tell()
                 data = tail + data
                 cut = data.rfind(b"\n") + 1
                 tail = data[cut:]
                 if cut:
+                    lines += data.count(b"\n", 0, cut)
                     yield data[:cut]
         if tail:
             yield tail + b"\n"

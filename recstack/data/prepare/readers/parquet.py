@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recstack.data.prepare.readers.base import BadRowLog, DataError, RawChunk, Source
+from recstack.data.prepare.readers.base import BadRowLog, DataError, RawChunk, Source, is_data_file
 
 
 class ParquetSource(Source):
@@ -53,7 +53,7 @@ def parquet_files(path: Path) -> list[Path]:
     """A file, or a directory's ``*.parquet`` / ``*.pq`` files in name order."""
     if not path.is_dir():
         return [path]
-    files = sorted(p for p in path.iterdir() if p.suffix.lower() in (".parquet", ".pq") and p.is_file())
+    files = sorted(p for p in path.iterdir() if p.suffix.lower() in (".parquet", ".pq") and is_data_file(p))
     if not files:
         raise FileNotFoundError(f"{path}: directory has no .parquet files")
     return files

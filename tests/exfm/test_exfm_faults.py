@@ -1,0 +1,97 @@
+"""ExFM's helper processes under faults, as real processes: a DAS that dies ends the experiment with one clear
+error (exit code 3) instead of a traceback or the vertical models waiting ``das_wait_s`` for labels; a runner
+that is killed leaves no DAS or task worker running on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_exfm_run import TINY
+
+# More rows than the end-to-end test: the FM trains long enough for the helpers to be caught at work.
+LONGER = TINY.replace("rows = 3000", "rows = 60000")
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The child processes of ``pid`` -> their command lines."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    found = {}
+    for child in map(int, out):
+        try:
+            found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            pass  # ended meanwhile
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, ended and waiting to be reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start(tmp_path: Path) -> subprocess.Popen[str]:
+    cfg = tmp_path / "exfm.toml"
+    cfg.write_text(LONGER)
+    return subprocess.Popen([sys.executable, "-m", "recstack", "exfm", "run", "--config", str(cfg),
+                             "--output-dir", str(tmp_path / "run")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(proc: subprocess.Popen[str], want: str, count: int = 1, timeout: float = 120) -> list[int]:
+    """Child pids of ``proc`` whose command line holds ``want``, once there are ``count`` of them."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        found = [pid for pid, cmd in _children(proc.pid).items() if want in cmd]
+        if len(found) >= count:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"no {count} {want!r} children of the runner (exit status {proc.poll()})")
+
+
+def test_a_dead_das_is_one_clear_error(tmp_path: Path) -> None:
+    proc = _start(tmp_path)
+    try:
+        (das,) = _wait_for(proc, "recstack.exfm.das")
+        os.kill(das, signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)  # far less than experiment.das_wait_s (1800 s): no waiting on it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 3, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("recstack exfm: error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert "the data augmentation service (DAS) of seed 0 died (signal 9)" in errors[0]
+    assert str(tmp_path / "run" / "seed0" / "das.log") in errors[0]
+
+
+def test_a_killed_runner_leaves_no_helper_running(tmp_path: Path) -> None:
+    proc = _start(tmp_path)
+    try:
+        _wait_for(proc, "recstack.exfm.das")
+        _wait_for(proc, "multiprocessing.spawn")  # a task worker (training the FM)
+        helpers = _children(proc.pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()  # not communicate(): a helper left running would hold the stderr pipe open
+        assert proc.stderr is not None
+        proc.stderr.close()
+        # Each helper checks its parent every 0.5 s; the FM alone trains for far longer than this wait.
+        deadline = time.time() + 10
+        while time.time() < deadline and any(map(_alive, helpers)):
+            time.sleep(0.1)
+        left = {pid: cmd for pid, cmd in helpers.items() if _alive(pid)}
+    finally:
+        for pid in helpers if "helpers" in locals() else {}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert left == {}, left
