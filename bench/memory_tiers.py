@@ -16,6 +16,11 @@ After ``--warmup`` steps, ``--steps`` steps are timed; samples/s is their sample
 rate is over the rows they requested. Output: JSON (``--out``) and a chart (``--chart``).
 
     python bench/memory_tiers.py [--quick] [--out docs/memory_tiers.json] [--chart docs/memory_tiers.png]
+
+``--world 2`` runs the 2-rank mode instead (tiered shards under torchrun against the same run in memory, the
+planner's prediction against the measured step; ``bench/memory_tiers_dist.py``):
+
+    python bench/memory_tiers.py --world 2 [--quick] [--out bench/results/memory_tiers_world2.json]
 """
 
 from __future__ import annotations
