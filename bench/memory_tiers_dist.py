@@ -146,11 +146,18 @@ def _plan(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
 
 
 def run(args: Any) -> dict[str, Any]:
-    """The 2-rank bench: plan, one torchrun launch, the report (JSON-ready)."""
+    """The 2-rank bench: plan, one torchrun launch, the report (JSON-ready). The synthetic data, the plans and the
+    ranks' SSD files go to ``--ssd-dir``, or to a temporary directory removed afterwards."""
     if args.quick:
         args.rows, args.data_rows, args.batch, args.warmup, args.window, args.rounds = 20_000, 24_000, 256, 2, 2, 2
-    tmp = Path(args.ssd_dir) if args.ssd_dir else Path(tempfile.mkdtemp(prefix="memory-tiers-world2-"))
-    tmp.mkdir(parents=True, exist_ok=True)
+    if args.ssd_dir:
+        Path(args.ssd_dir).mkdir(parents=True, exist_ok=True)
+        return _measure(args, Path(args.ssd_dir))
+    with tempfile.TemporaryDirectory(prefix="memory-tiers-world2-") as tmp:
+        return _measure(args, Path(tmp))
+
+
+def _measure(args: Any, tmp: Path) -> dict[str, Any]:
     shard_bytes = args.tables // WORLD * args.rows * ROW_BYTES  # per rank, table-wise
     spec = {"tables": args.tables, "rows": args.rows, "data_rows": args.data_rows, "batch": args.batch,
             "zipf": args.zipf, "policy": args.policy, "warmup": args.warmup, "window": args.window,
