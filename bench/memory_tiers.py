@@ -16,6 +16,11 @@ After ``--warmup`` steps, ``--steps`` steps are timed; samples/s is their sample
 rate is over the rows they requested. Output: JSON (``--out``) and a chart (``--chart``).
 
     python bench/memory_tiers.py [--quick] [--out docs/memory_tiers.json] [--chart docs/memory_tiers.png]
+
+``--world 2`` runs the 2-rank mode instead (tiered shards under torchrun against the same run in memory, the
+planner's prediction against the measured step; ``bench/memory_tiers_dist.py``):
+
+    python bench/memory_tiers.py --world 2 [--quick] [--out bench/results/memory_tiers_world2.json]
 """
 
 from __future__ import annotations
@@ -244,6 +249,32 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _world2(args: argparse.Namespace) -> None:
+    """The 2-rank mode, with its own defaults: 8 tables x 150K rows (312 MB), batch 1024 per rank, Zipf 1.1 (the
+    synthetic generator's), 10 warm-up steps, 16 rounds of 30-step windows per run (1.1M synthetic rows: 537
+    global batches, each run reads 524)."""
+    from bench.memory_tiers_dist import run
+
+    defaults = {"rows": (500_000, 150_000), "batch": (2048, 1024), "zipf": (1.05, 1.1), "warmup": (40, 10),
+                "window": (10, 30), "rounds": (12, 16)}
+    for name, (single, world2) in defaults.items():
+        if getattr(args, name) == single:
+            setattr(args, name, world2)
+    report = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+              "args": {k: v for k, v in vars(args).items() if k not in ("child", "chart")}, **run(args)}
+    out = Path(args.out or "bench/results/memory_tiers_world2.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    r = report
+    print(f"2 ranks: {r['samples_per_sec']:,.0f} samples/s tiered, {r['in_memory_samples_per_sec']:,.0f} in memory "
+          f"({100 * r['vs_in_memory']:.0f}%); hit rates "
+          + ", ".join(f"rank {x['rank']} {100 * (x['hit_rate'] or 0):.1f}%" for x in r["ranks"])
+          + f"; step {1e3 * r['step_seconds']['tiered']:.1f} ms measured, "
+          f"{1e3 * r['planner']['predicted_step_seconds']:.2f} ms predicted (load {r['loadavg'][0]:.1f})",
+          file=sys.stderr)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -260,12 +291,24 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the prefetch thread is extra)")
     p.add_argument("--policy", default="lru")
     p.add_argument("--ssd-dir", default="", help="where table files go (default: a temporary directory)")
-    p.add_argument("--out", default="docs/memory_tiers.json")
+    p.add_argument("--out", default=None, help="JSON (default docs/memory_tiers.json; with --world 2 "
+                                                 "bench/results/memory_tiers_world2.json)")
     p.add_argument("--chart", default="docs/memory_tiers.png")
+    w = p.add_argument_group("--world 2: tiered shards under torchrun (bench/memory_tiers_dist.py)")
+    w.add_argument("--world", type=int, default=1, choices=(1, 2), help="2: the 2-rank torchrun mode")
+    w.add_argument("--data-rows", type=int, default=1_100_000, help="synthetic rows generated for --world 2")
+    w.add_argument("--device-fraction", type=float, default=0.05,
+                   help="per-rank device budget as a share of the rank's shard bytes (--world 2)")
+    w.add_argument("--host-fraction", type=float, default=0.5,
+                   help="per-rank host budget as a share of the rank's shard bytes (--world 2)")
     args = p.parse_args()
     if args.child:
         print(json.dumps(run_child(json.loads(args.child))))
         return
+    if args.world == 2:
+        _world2(args)
+        return
+    args.out = args.out or "docs/memory_tiers.json"
     if args.quick:
         args.rows, args.big_rows, args.ram_budget = 20_000, 60_000, "1GiB"
         args.warmup, args.window, args.rounds, args.batch = 5, 3, 3, 512
