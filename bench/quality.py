@@ -14,8 +14,9 @@ Data (nothing is downloaded but registry wheels, as scripts/fetch_movielens.py d
 Each split is written once as CSV files that both libraries read: recstack prepares them with
 ``recstack data prepare --schema configs/schemas/{movielens,criteo}_csv.toml``, FuxiCTR encodes them with its
 feature processor (bench/quality_fuxictr.py, in FuxiCTR's own environment). recstack runs through its CLI only
-(``train``, then ``eval --checkpoint RUN --data TEST``) with the README's recipe for the layout; recstack has no
-early stopping today, so its last model is scored. FuxiCTR runs with the BARS benchmark's published settings
+(``train``, then ``eval --checkpoint RUN --data TEST``) with the recipe of ``configs/recipes/`` for the layout; with
+the recipe's early stopping the best checkpoint by validation AUC is scored (``eval`` takes it), else the last.
+FuxiCTR runs with the BARS benchmark's published settings
 (see SETTINGS) and its own early stopping and best-model selection on the validation split. The test split
 decides nothing. Prints a Markdown table to stderr and JSON to stdout (and ``--out``):
 
@@ -210,7 +211,8 @@ def _recstack(args: list[str]) -> str:
 
 
 def run_recstack(name: str, layout: str, seed: int, work: Path, extra_set: list[str] = ()) -> dict:
-    """Train with the layout's recipe, then score the last checkpoint on the test split (``recstack eval``)."""
+    """Train with the layout's recipe, then score the checkpoint ``recstack eval`` picks (the best with early
+    stopping, else the last) on the test split."""
     data, run = work / name / "recstack", work / name / f"run_recstack_{seed}"
     recipe = RECIPES["criteo" if layout == "criteo" else "categorical"]
     args = ["train", "--output-dir", str(run), "--overwrite", "--config", str(ROOT / recipe)]
@@ -221,9 +223,10 @@ def run_recstack(name: str, layout: str, seed: int, work: Path, extra_set: list[
     t0 = time.perf_counter()
     _recstack(args)
     summary = json.loads((run / "summary.json").read_text())
+    kept = summary.get("best") or summary  # the validation figures of the model that is scored
     test = json.loads(_recstack(["eval", "--checkpoint", str(run), "--data", str(data / "test")]))
-    return {"model": "recstack DLRM", "seed": seed, "valid_auc": summary.get("auc"),
-            "valid_logloss": summary.get("logloss"), "test_auc": test["auc"], "test_logloss": test["logloss"],
+    return {"model": "recstack DLRM", "seed": seed, "valid_auc": kept.get("auc"),
+            "valid_logloss": kept.get("logloss"), "test_auc": test["auc"], "test_logloss": test["logloss"],
             "wall_s": round(time.perf_counter() - t0, 2)}
 
 

@@ -27,7 +27,13 @@ CANDIDATES: dict[str, list[str]] = {
     "recipe": [],
     "early stopping": ES,
     "es + emb L2 3e-3": [*ES, "optim.sparse_weight_decay=3e-3"],
+    "es + emb L2 1e-3": [*ES, "optim.sparse_weight_decay=1e-3"],
+    "es + emb L2 5e-3": [*ES, "optim.sparse_weight_decay=5e-3"],
     "es + emb L2 1e-2": [*ES, "optim.sparse_weight_decay=1e-2"],
+    "es + emb L2 3e-3 + dim 32": [*ES, "optim.sparse_weight_decay=3e-3", "model.embedding_dim=32"],
+    "es + emb L2 3e-3 + top 400x3": [*ES, "optim.sparse_weight_decay=3e-3", "model.top_mlp=[400,400,400,1]"],
+    "es + emb L2 3e-3 + dropout 0.1": [*ES, "optim.sparse_weight_decay=3e-3", "model.dropout=0.1"],
+    "es + emb L2 3e-3 + emb lr 0.05": [*ES, "optim.sparse_weight_decay=3e-3", "optim.sparse_lr=0.05"],
     "es + dropout 0.2 + batch norm + top 400x3": [*ES, "model.dropout=0.2", "model.mlp_norm=\"batch\"",
                                                   "model.top_mlp=[400,400,400,1]"],
     "es + dropout 0.2 + batch norm + top 400x3 + emb L2 3e-3": [
