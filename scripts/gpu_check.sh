@@ -2,7 +2,8 @@
 # The CUDA checks and GPU timings a session runs when it is lent a GPU machine (one short script, ~10 minutes):
 #   bash scripts/gpu_check.sh [OUT_DIR]        # OUT_DIR (default $OUT, else runs/gpu_check) gets logs and JSON
 # 1. the tests that skip without CUDA (device placement, codecs on the device, eval/predict --device cuda);
-# 2. a short training run on cuda against the same run on cpu (losses and AUC side by side);
+# 2. a short training run on cuda against the same run on cpu (losses and AUC side by side), and on cuda with
+#    memory tiers (device caches over host memory and SSD);
 # 3. export + serve --device cuda + a short load test (served scores against offline scores);
 #    and model-only scoring at batch 2048 on cuda against cpu.
 # Each step is bounded by `timeout` and goes on after a failure; the summary at the end says which failed.
@@ -29,6 +30,11 @@ for dev in cpu cuda; do
     step "train_$dev" 180 "$PY" -m recstack train --config configs/demo.toml --output-dir "$OUT_DIR/demo_$dev" \
         --overwrite --set train.device="$dev" --set train.max_steps=300 --set train.progress=false
 done
+
+# Memory tiers with the caches on the GPU (host- and ssd-cached rows behind device caches): AUC against train_cuda.
+step train_cuda_tiers 240 "$PY" -m recstack train --config configs/demo.toml --output-dir "$OUT_DIR/demo_cuda_tiers" \
+    --overwrite --set train.device=cuda --set train.max_steps=300 --set train.progress=false \
+    --set memory.device=1MB --set memory.host=4MB --set memory.ssd_dir="$OUT_DIR/ssd"
 
 step export 120 "$PY" -m recstack export --checkpoint "$OUT_DIR/demo_cuda" --out "$OUT_DIR/model" --tables int8
 step serve_cuda 180 "$PY" - "$OUT_DIR" <<'EOF'
@@ -84,7 +90,7 @@ finally:
     proc.wait(30)
 EOF
 
-for dev in cpu cuda; do  # the two runs' final metrics side by side
+for dev in cpu cuda cuda_tiers; do  # the runs' final metrics side by side
     [ -f "$OUT_DIR/demo_$dev/summary.json" ] && echo "$dev: $(cat "$OUT_DIR/demo_$dev/summary.json" | tr -d '\n ')"
 done > "$OUT_DIR/train_summary.txt"
 cat "$OUT_DIR/train_summary.txt" >&2

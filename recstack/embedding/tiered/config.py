@@ -11,9 +11,10 @@ from recstack.units import parse_bytes
 
 @dataclass
 class MemoryConfig:
-    """Embedding memory budgets (single process; see docs/memory_tiers.md). Sizes are bytes or strings such as
-    ``"512MB"`` or ``"2GiB"``; ``""`` = no budget. With a budget set, tables that do not fit in ``device`` memory
-    get a cache there over their rows in host memory (``host`` budget) or, past that, in a file in ``ssd_dir``."""
+    """Embedding memory budgets (of the process; under torchrun of each rank: see docs/memory_tiers.md). Sizes
+    are bytes or strings such as ``"512MB"`` or ``"2GiB"``; ``""`` = no budget. With a budget set, tables that do
+    not fit in ``device`` memory get a cache there over their rows in host memory (``host`` budget) or, past
+    that, in a file in ``ssd_dir``."""
 
     device: int | str = ""
     host: int | str = ""
