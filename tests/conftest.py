@@ -134,7 +134,7 @@ def cli_train(out: Path, data: Path | None, options: Iterable[str] = (), *flags:
     """A ``recstack train`` run (see ``train_args``) that must succeed -> its summary.json (its stdout is appended
     to ``log`` when given)."""
     res = run_cli(train_args(out, data, options, *flags), launcher=launcher, timeout=timeout)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     if log is not None:
         log.append(res.stdout)
     return json.loads((out / "summary.json").read_text())

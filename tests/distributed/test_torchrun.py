@@ -206,7 +206,7 @@ def test_short_last_batch_and_row_shuffle_match_single(tmp_path: Path, shuffle: 
     _train(TORCHRUN, data, run, ["train.batch_size=64", *opts, "train.max_steps=30", "train.checkpoint_every=30"])
     res = run_cli(train_args(run, data, [*COMMON, "train.batch_size=64", *opts, "train.max_steps=0"], "--resume"),
                   launcher=TORCHRUN)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     two = json.loads((run / "summary.json").read_text())
     assert one["steps"] == two["steps"] == 2 * 21 and one["train_samples"] == two["train_samples"] == 2 * 2561
     for k in ("auc", "logloss", "ne"):
