@@ -43,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"recstack {args.command}: error: {disk_error(cause, action=None)}", file=sys.stderr)
         return 2
+    if "torch.distributed" in sys.modules:  # only a command that ran torch can have joined a job
+        from recstack.distributed.agreement import leave_job
+        try:
+            leave_job()
+        except PeerFailure as e:
+            print(f"recstack {args.command}: error: {e}", file=sys.stderr)
+            _leave_without_teardown(e.exit_code)
     return 0
 
 

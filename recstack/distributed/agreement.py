@@ -133,6 +133,21 @@ def on_rank0(generate: Callable[[], None], what: str) -> None:
 
 
 
+def leave_job() -> None:
+    """After a command succeeded on this rank: wait for every rank (barrier), then tear down every process group
+    while the interpreter is still whole. A group left to the interpreter's exit dies at a different moment on
+    each rank, while gloo's threads may still hold work that refers to Python objects; now and then that ends
+    the process in std::terminate (SIGABRT, exit -6) after the run had written everything. A no-op outside a
+    job. A peer that died at the very end is a PeerFailure."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    except (RuntimeError, torch.distributed.DistError) as e:
+        raise PeerFailure(f"rank {dist.get_rank()}: the other ranks did not finish with this one: {e}") from e
+    dist.destroy_process_group()
+
+
 def gather_failures(error: BaseException | None,
                     plain: type[BaseException] = RecstackError) -> list[tuple[int, str]]:
     """Collective: every rank says whether it failed (``error``, None when it did not) -> (rank, message) of

@@ -153,3 +153,48 @@ def test_first_difference_names_the_first_field_and_groups_the_ranks() -> None:
     other = [same, {**same, "dist.sharding": "table_wise"}, same, {"train.batch_size": 32}]
     assert first_difference(other) == "train.batch_size: ranks 0, 1, 2 have 64, rank 3 has 32"
     assert first_difference(other[:3]) == "dist.sharding: ranks 0, 2 have 'row_wise', rank 1 has 'table_wise'"
+
+
+def _leave_worker(rank: int, world: int, init_file: str, out: str, peer_dies: bool) -> None:
+    """Join a gloo job with a subgroup and pending collectives' results, then leave it (``leave_job``) -> writes
+    what rank 0 saw to ``out``; with ``peer_dies`` rank 1 ends without leaving."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from recstack.distributed.agreement import leave_job
+    from recstack.errors import PeerFailure
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=5))
+    sub = dist.new_group(backend="gloo")
+    t = torch.ones(4)
+    dist.all_reduce(t, group=sub, async_op=True).wait()
+    if peer_dies and rank == 1:
+        os._exit(0)
+    try:
+        leave_job()
+        seen = f"left {dist.is_initialized()} {t.tolist()}"
+    except PeerFailure as e:
+        seen = f"PeerFailure {e}"
+    if rank == 0:
+        Path(out).write_text(seen)
+    os._exit(0)  # (a rank whose peer died holds a broken group: skip its teardown, as the CLI does)
+
+
+def test_leave_job_tears_every_group_down_together(tmp_path: Path) -> None:
+    """A finished rank waits for the others, then destroys every process group (no group is left to the
+    interpreter's exit); a peer that ended without leaving makes it a PeerFailure within the timeout."""
+    import torch.multiprocessing as mp
+
+    from recstack.distributed.agreement import leave_job
+
+    leave_job()  # outside a job: nothing to do
+    out = tmp_path / "seen"
+    mp.spawn(_leave_worker, args=(2, str(tmp_path / "init"), str(out), False), nprocs=2, join=True)
+    assert out.read_text() == "left False [2.0, 2.0, 2.0, 2.0]"
+    t0 = time.time()
+    mp.spawn(_leave_worker, args=(2, str(tmp_path / "init2"), str(out), True), nprocs=2, join=True)
+    assert out.read_text().startswith("PeerFailure rank 0: the other ranks did not finish"), out.read_text()
+    assert time.time() - t0 < 60
