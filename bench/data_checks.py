@@ -22,8 +22,10 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from recstack.data.format import PreparedDataset, PreparedWriter, SparseFeatureSpec  # noqa: E402
+from recstack.data.format import SparseFeatureSpec  # noqa: E402
 from recstack.data.integrity import check_values, fingerprint  # noqa: E402
+from recstack.data.prepared_dataset import PreparedDataset  # noqa: E402
+from recstack.data.prepared_writer import PreparedWriter  # noqa: E402
 
 
 def main() -> None:

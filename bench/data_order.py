@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from recstack.data.format import PreparedDataset  # noqa: E402
 from recstack.data.loader import BatchLoader  # noqa: E402
 from recstack.data.order import SHUFFLES, EpochOrder  # noqa: E402
+from recstack.data.prepared_dataset import PreparedDataset  # noqa: E402
 
 
 def measure(ds: PreparedDataset, mode: str, batch: int, batches: int, window: int, seed: int) -> dict[str, Any]:

@@ -54,8 +54,9 @@ if str(ROOT) not in sys.path:
 
 from bench.dist_worker import CODECS, SHARDINGS, Case  # noqa: E402
 from bench.train_throughput import machine_info, zipf_ids  # noqa: E402
-from recstack.data.format import PreparedWriter, SparseFeatureSpec, capped_table_sizes  # noqa: E402
+from recstack.data.format import SparseFeatureSpec, capped_table_sizes  # noqa: E402
 from recstack.data.prepare.criteo import KAGGLE_CARDINALITIES, SPARSE_NAMES  # noqa: E402
+from recstack.data.prepared_writer import PreparedWriter  # noqa: E402
 
 WORLD = 2
 NUM_DENSE = 13

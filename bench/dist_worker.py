@@ -22,8 +22,9 @@ import torch.distributed as dist
 from bench.train_throughput import kaggle_config
 from recstack.config import Config
 from recstack.data.batch import Batch
-from recstack.data.format import PreparedDataset, capped_table_sizes
+from recstack.data.format import capped_table_sizes
 from recstack.data.loader import BatchLoader, LoaderPosition
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.training.trainer import Trainer
 
 CODECS = ("fp32", "fp16", "bf16", "fp8", "int8")

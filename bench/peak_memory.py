@@ -46,8 +46,9 @@ from typing import Any
 import numpy as np
 
 import recstack
-from recstack.data.format import PreparedWriter, SparseFeatureSpec
+from recstack.data.format import SparseFeatureSpec
 from recstack.data.prepare.criteo import KAGGLE_CARDINALITIES
+from recstack.data.prepared_writer import PreparedWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "criteo_kaggle.toml"

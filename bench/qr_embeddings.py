@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from recstack.config import load_config  # noqa: E402
-from recstack.data.format import PreparedDataset  # noqa: E402
+from recstack.data.prepared_dataset import PreparedDataset  # noqa: E402
 from recstack.embedding.qr import split_rows  # noqa: E402
 from recstack.models.config import ModelConfig  # noqa: E402
 from recstack.training.trainer import Trainer  # noqa: E402

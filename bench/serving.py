@@ -49,12 +49,9 @@ if str(ROOT) not in sys.path:
 
 from bench.train_throughput import NUM_DENSE, kaggle_config, machine_info, run_worker, zipf_ids  # noqa: E402
 from recstack.data.batch import Batch, SparseFeatures  # noqa: E402
-from recstack.data.format import (  # noqa: E402
-    PreparedWriter,
-    SparseFeatureSpec,
-    capped_table_sizes,  # noqa: E402
-)
+from recstack.data.format import SparseFeatureSpec, capped_table_sizes  # noqa: E402
 from recstack.data.prepare.criteo import KAGGLE_CARDINALITIES  # noqa: E402
+from recstack.data.prepared_writer import PreparedWriter  # noqa: E402
 
 WIDTHS = ("fp32", "int8", "int4")
 BATCHES = (1, 64, 512, 2048)

@@ -47,8 +47,9 @@ if str(ROOT) not in sys.path:
 from bench.baseline_dlrm import BaselineDLRM, make_optimizer, train_step  # noqa: E402
 from recstack.config import Config  # noqa: E402
 from recstack.data.batch import Batch, SparseFeatures  # noqa: E402
-from recstack.data.format import PreparedWriter, SparseFeatureSpec, capped_table_sizes  # noqa: E402
+from recstack.data.format import SparseFeatureSpec, capped_table_sizes  # noqa: E402
 from recstack.data.prepare.criteo import KAGGLE_CARDINALITIES  # noqa: E402
+from recstack.data.prepared_writer import PreparedWriter  # noqa: E402
 from recstack.training.trainer import Trainer  # noqa: E402
 
 NUM_DENSE = 13

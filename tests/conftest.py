@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from recstack.config import Config, load_config
 from recstack.data.batch import Batch
-from recstack.data.format import PreparedWriter, SparseFeatureSpec
+from recstack.data.format import SparseFeatureSpec
+from recstack.data.prepared_writer import PreparedWriter
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

@@ -48,7 +48,7 @@ def _device(name: str) -> torch.device:
 
 
 def run_eval(args: argparse.Namespace) -> None:
-    from recstack.data.format import PreparedDataset
+    from recstack.data.prepared_dataset import PreparedDataset
     from recstack.training.inference import evaluate, evaluation_rows, load_model
 
     cfg, model = load_model(args.checkpoint, _device(args.device), last=args.last)
@@ -67,7 +67,7 @@ def run_eval(args: argparse.Namespace) -> None:
 def run_predict(args: argparse.Namespace) -> None:
     import numpy as np
 
-    from recstack.data.format import PreparedDataset
+    from recstack.data.prepared_dataset import PreparedDataset
     from recstack.training.inference import load_model, predict_logits
 
     out = Path(args.out)

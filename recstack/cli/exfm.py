@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def movielens(args: argparse.Namespace) -> None:
-    from recstack.data.format import PreparedDataset
+    from recstack.data.prepared_dataset import PreparedDataset
     from recstack.exfm.movielens import MovieLensConfig, prepare_movielens
 
     out = prepare_movielens(MovieLensConfig(path=args.path, layout=args.layout), Path(args.out), args.overwrite)

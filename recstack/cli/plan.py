@@ -141,7 +141,7 @@ def build_tables(args: argparse.Namespace) -> list[TableSpec]:
         dim = dim_or(NAMED_TABLES[args.tables])
         specs = [TableSpec(n, r, dim, pooling) for n, r in zip(SPARSE_NAMES, sizes, strict=True)]
     elif args.tables and (Path(args.tables) / "meta.json").is_file():  # a prepared data set: one table each
-        from recstack.data.format import PreparedDataset
+        from recstack.data.prepared_dataset import PreparedDataset
 
         ds = PreparedDataset(args.tables)
         table_rows = dict(zip(ds.table_names, ds.table_sizes, strict=True))

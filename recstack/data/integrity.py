@@ -23,7 +23,8 @@ from typing import NoReturn
 
 import numpy as np
 
-from recstack.data.format import PreparedDataset, PreparedFormatError
+from recstack.data.format import PreparedFormatError
+from recstack.data.prepared_dataset import PreparedDataset
 
 _EDGE_BYTES = 1 << 16  # of each array file, at each end, in the fingerprint
 CHUNK_BYTES = 16 << 20  # of one array read at a time by check_values

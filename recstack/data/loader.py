@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from recstack.data.batch import Batch
-from recstack.data.format import PreparedDataset
 from recstack.data.order import EpochOrder, shuffle_mode
+from recstack.data.prepared_dataset import PreparedDataset
 
 
 @dataclass

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from recstack.data.config import DataConfig
-from recstack.data.format import PreparedDataset, layout_difference
 from recstack.data.integrity import check_values
+from recstack.data.prepared_dataset import PreparedDataset, layout_difference
 from recstack.errors import ConfigError
 
 

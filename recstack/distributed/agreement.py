@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recstack.data.format import PreparedDataset
 from recstack.data.integrity import fingerprint
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.distributed.config import DistConfig
 from recstack.embedding.collection import TableConfig
 from recstack.errors import ConfigError, PeerFailure, RecstackError

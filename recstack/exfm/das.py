@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from recstack.data.batch import Batch
-from recstack.data.format import PreparedDataset
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.exfm.config import StreamConfig
 from recstack.exfm.fm import load_snapshot, table_caps, wait_for_snapshot
 from recstack.exfm.lifetime import exit_with_parent

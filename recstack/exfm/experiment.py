@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from recstack.data.format import PreparedDataset
 from recstack.data.integrity import check_values
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.errors import ConfigError, ServiceFailure
 from recstack.exfm.config import ExfmConfig, exfm_config_from_dict, movielens_config, synth_config
 from recstack.exfm.das import DasJob

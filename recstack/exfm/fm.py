@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from recstack.data.format import PreparedDataset, capped_table_sizes
+from recstack.data.format import capped_table_sizes
 from recstack.data.loader import BatchLoader
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.exfm.config import NetSpec
 from recstack.exfm.stream import StreamTrainer

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from recstack.data.format import PreparedWriter, SparseFeatureSpec
+from recstack.data.format import SparseFeatureSpec
 from recstack.data.prepare.readers.base import DataError
+from recstack.data.prepared_writer import PreparedWriter
 
 GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama",
           "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller", "War", "Western")

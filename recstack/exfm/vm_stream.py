@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recstack.data.format import PreparedDataset
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.exfm.config import DistillConfig, NetSpec, StreamConfig
 from recstack.exfm.fm import build_net, table_caps
 from recstack.exfm.store import DasStore

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from recstack.data.batch import Batch
-from recstack.data.format import PreparedDataset, PreparedFormatError
+from recstack.data.format import PreparedFormatError
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.exfm.config import StreamConfig
 
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from recstack import __version__
 from recstack.config import Config
-from recstack.data.format import PreparedDataset
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.models.dlrm import DLRM
 from recstack.serving.artifact import ArtifactError, write_artifact
 from recstack.serving.quantized import LEVELS, WIDTHS, bytes_per_row, open_group, write_table

@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from recstack.data.format import PreparedDataset
 from recstack.data.prepare.criteo import DENSE_NAMES, SPARSE_NAMES, transform_dense
 from recstack.data.prepare.encode import OOV, Encoder, EncodingState, parse_chunk
 from recstack.data.prepare.readers.base import BadRowLog, DataError, RawChunk
 from recstack.data.prepare.schema import ColumnsSpec, schema_from_dict
 from recstack.data.prepare.schema_prepare import load_state
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.serving.artifact import ArtifactError, RequestError
 
 _HEX = re.compile(r"^[0-9a-fA-F]{1,8}$")

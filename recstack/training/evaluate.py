@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader, LoaderPosition
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.embedding.collection import EmbeddingCollection
 from recstack.io import atomic_write_text, json_safe
 from recstack.metrics import BinaryMetrics, auc

@@ -10,9 +10,10 @@ import torch
 from tqdm import tqdm
 
 from recstack.config import Config, config_from_dict
-from recstack.data.format import PreparedDataset, capped_table_sizes
+from recstack.data.format import capped_table_sizes
 from recstack.data.integrity import check_values
 from recstack.data.loader import BatchLoader
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.data.sources import held_out_rows
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.metrics import BinaryMetrics

@@ -13,8 +13,8 @@ from recstack.cli.main import main
 from recstack.compression.config import CompressionConfig
 from recstack.compression.eb.bounds import DualLevelBound, multiplier
 from recstack.config import load_config
-from recstack.data.format import PreparedDataset
 from recstack.data.prepare.criteo import KAGGLE_CARDINALITIES
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.embedding.collection import TableConfig, init_table
 from recstack.errors import ConfigError
 

@@ -12,7 +12,6 @@ from conftest import SHARED_DATA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recstack.data.format import PreparedDataset
 from recstack.data.prepare.criteo import (
     DENSE_NAMES,
     KAGGLE_CARDINALITIES,
@@ -26,6 +25,7 @@ from recstack.data.prepare.criteo import (
 )
 from recstack.data.prepare.criteo_prepare import prepare_criteo, sort_day_files
 from recstack.data.prepare.criteo_vocab import VocabCounter, apply_vocabularies
+from recstack.data.prepared_dataset import PreparedDataset
 
 DATA = SHARED_DATA
 SAMPLE = DATA / "criteo_kaggle_sample.tsv"  # 1,999 rows, 418 clicks, every line 40 fields

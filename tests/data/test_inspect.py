@@ -13,11 +13,11 @@ from conftest import REPO
 
 from recstack.cli.main import main
 from recstack.data.examples import frappe_like, ratings_table, write_libfm, write_ratings
-from recstack.data.format import PreparedDataset
 from recstack.data.prepare import inspect as insp
 from recstack.data.prepare.inspect import Cardinality, inspect_file, inspect_prepared
 from recstack.data.prepare.schema import LabelSpec, load_schema, schema_from_dict
 from recstack.data.prepare.schema_prepare import prepare_dataset
+from recstack.data.prepared_dataset import PreparedDataset
 
 
 @pytest.fixture(scope="module")

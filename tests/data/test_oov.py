@@ -13,8 +13,8 @@ from conftest import SMALL
 
 from recstack.cli.main import main
 from recstack.config import load_config
-from recstack.data.format import PreparedDataset
 from recstack.data.prepare.schema import schema_from_dict, schema_to_toml
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.serving.model import ServingModel
 from recstack.training.trainer import Trainer
 

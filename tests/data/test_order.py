@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import write_tiny_dataset
 
-from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.data.order import EpochOrder, shuffle_mode
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.training.checkpoint.resume import saved_position
 
 ROWS = 1003  # not a multiple of any batch used here

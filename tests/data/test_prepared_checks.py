@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from conftest import SMALL, run_cli, train_args, train_steps
 
-from recstack.data.format import PreparedDataset, PreparedFormatError, PreparedWriter, SparseFeatureSpec
+from recstack.data.format import PreparedFormatError, SparseFeatureSpec
 from recstack.data.integrity import check_values, fingerprint
+from recstack.data.prepared_dataset import PreparedDataset
+from recstack.data.prepared_writer import PreparedWriter
 
 ROWS = 600
 

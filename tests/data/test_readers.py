@@ -17,10 +17,12 @@ from conftest import REPO
 
 from recstack.cli.main import main
 from recstack.data.examples import frappe_like, ratings_table, write_libfm, write_ratings
-from recstack.data.format import PreparedDataset, PreparedFormatError, PreparedWriter, SparseFeatureSpec
+from recstack.data.format import PreparedFormatError, SparseFeatureSpec
 from recstack.data.loader import BatchLoader
 from recstack.data.prepare.schema import SourceSpec, load_schema, schema_from_dict, split_time
 from recstack.data.prepare.schema_prepare import prepare_dataset
+from recstack.data.prepared_dataset import PreparedDataset
+from recstack.data.prepared_writer import PreparedWriter
 from recstack.embedding import FusedEmbeddingBagCollection, SparseOptimizerConfig
 from recstack.models.build import table_configs
 

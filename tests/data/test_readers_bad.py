@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from recstack.cli.main import main
-from recstack.data.format import PreparedDataset
 from recstack.data.prepare.readers import DataError
 from recstack.data.prepare.schema import schema_from_dict
 from recstack.data.prepare.schema_prepare import prepare_dataset
+from recstack.data.prepared_dataset import PreparedDataset
 
 BASE = {
     "label": {"column": "rating", "threshold": 4.0, "min": 1.0, "max": 5.0},

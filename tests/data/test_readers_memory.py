@@ -100,7 +100,7 @@ def test_parquet_larger_than_the_memory_cap(tmp_path: Path) -> None:
     print(f"prepared {ROWS:,} rows ({file_mib:.0f} MiB file, {decoded_mib:.0f} MiB decoded) under a "
           f"{CAP_MIB} MiB cap: peak RSS +{result['growth_mib']:.0f} MiB, {ROWS / result['seconds']:,.0f} rows/s")
 
-    from recstack.data.format import PreparedDataset
+    from recstack.data.prepared_dataset import PreparedDataset
 
     ds = PreparedDataset(tmp_path / "out")
     assert len(ds) == ROWS

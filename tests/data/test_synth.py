@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from recstack.data.format import PreparedDataset
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.data.synth.click_model import ClickModel
 from recstack.data.synth.generate import CRITEO_KAGGLE_TABLE_SIZES, SynthConfig, generate
 from recstack.data.synth.zipf import IdPermutation, keyed, scalar_key, uniform, zipf_mass_below, zipf_ranks

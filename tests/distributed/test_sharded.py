@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 from conftest import train_step
 
 from recstack.config import load_config
-from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.distributed.parallelize import all_gather_metrics, shard_model, wrap_ddp
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config

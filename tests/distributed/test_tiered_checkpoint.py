@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import cli_train, kill_after_checkpoints, run_cli, torchrun, train_args
 
-from recstack.data.format import PreparedDataset
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.embedding.collection import TableConfig
 from recstack.training.checkpoint.sharded import read_full_tables
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recstack.data.format import PreparedDataset
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.data.synth.generate import SynthConfig, generate
 from recstack.exfm.config import NetSpec, StreamConfig
 from recstack.exfm.das import DasJob, run_das

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recstack.data.format import PreparedDataset
 from recstack.data.prepare.readers.base import DataError
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.exfm.movielens import GENRES, MovieLensConfig, prepare_movielens
 
 # (user, item, rating, timestamp) in file order; not in time order on purpose

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from recstack.cli.main import main
-from recstack.data.format import PreparedDataset
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.errors import ConfigError
 from recstack.exfm.config import load_exfm_config
 from recstack.exfm.report import summarize

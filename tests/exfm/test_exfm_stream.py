@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from recstack.data.format import PreparedDataset, PreparedFormatError
+from recstack.data.format import PreparedFormatError
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.data.synth.generate import SynthConfig, generate
 from recstack.exfm.config import NetSpec, StreamConfig
 from recstack.exfm.fm import load_snapshot, run_fm_stream

@@ -74,7 +74,7 @@ def test_export_scores_equal_offline_predict(tiny_dataset, tmp_path) -> None:
     """fp32 tables of several dims: the served scores are the offline model's, exactly."""
     from conftest import train_steps
 
-    from recstack.data.format import PreparedDataset
+    from recstack.data.prepared_dataset import PreparedDataset
     from recstack.serving.export import export_checkpoint
     from recstack.serving.model import EncodedBatch, ServingModel
     from recstack.training.inference import load_model

@@ -114,8 +114,8 @@ def test_norm_trains_and_is_deterministic_in_eval(norm: str) -> None:
 def test_regularised_run_trains_and_evaluates(tiny_dataset: Path, tmp_path: Path) -> None:
     """Every option at once through the trainer and its checkpoint; ``recstack eval`` / ``predict`` load the
     model in eval mode (no dropout: the same scores twice)."""
-    from recstack.data.format import PreparedDataset
     from recstack.data.loader import BatchLoader
+    from recstack.data.prepared_dataset import PreparedDataset
     from recstack.training.inference import load_model
 
     summary = train_steps(tiny_dataset, tmp_path / "run", [
@@ -303,8 +303,8 @@ REGULARISED = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_m
 
 def _train_regularised(data: Path, rank: int, world: int, placements: list | None) -> tuple[list[float], list]:
     """20 steps of a global batch of 64 with layer norm and both weight decays -> (losses, full tables)."""
-    from recstack.data.format import PreparedDataset
     from recstack.data.loader import BatchLoader
+    from recstack.data.prepared_dataset import PreparedDataset
     from recstack.distributed.parallelize import shard_model, wrap_ddp
 
     cfg = load_config(None, REGULARISED)

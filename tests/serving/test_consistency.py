@@ -23,8 +23,8 @@ from torch import nn
 
 from recstack.cli.main import main
 from recstack.data.examples import ratings_table, write_ratings
-from recstack.data.format import PreparedDataset
 from recstack.data.prepare.schema import schema_from_dict, schema_to_toml
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.models.dlrm import DLRM
 from recstack.models.interaction import CatInteraction, DotInteraction
 from recstack.serving.artifact import list_versions

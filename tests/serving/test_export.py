@@ -19,9 +19,9 @@ from conftest import torchrun
 from recstack.cli.main import main
 from recstack.config import load_config
 from recstack.data.examples import ratings_table, write_ratings
-from recstack.data.format import PreparedDataset
 from recstack.data.prepare.schema import schema_from_dict
 from recstack.data.prepare.schema_prepare import prepare_dataset
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.serving.artifact import ArtifactError, RequestError, list_versions
 from recstack.serving.export import export_checkpoint
 from recstack.serving.model import EncodedBatch, ServingModel, check_program_pickle_free

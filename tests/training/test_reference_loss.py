@@ -16,8 +16,8 @@ import torch
 from conftest import train_step
 
 from recstack.config import load_config
-from recstack.data.format import PreparedDataset
 from recstack.data.loader import BatchLoader
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.models.build import build_model
 from recstack.training.step import build_dense_optimizer

@@ -15,7 +15,8 @@ import pytest
 from conftest import SMALL, set_options, train_steps
 
 from recstack.cli.main import main
-from recstack.data.format import PreparedWriter, SparseFeatureSpec
+from recstack.data.format import SparseFeatureSpec
+from recstack.data.prepared_writer import PreparedWriter
 from recstack.training.checkpoint import single
 
 

@@ -414,7 +414,7 @@ def test_resume_with_another_batch_size_continues_at_the_same_row(tiny_dataset: 
                                                                   stop_at) -> None:
     """The position is kept in rows: 100 batches of 64 done -> the next batch of 128 (or 96) starts at row 6400,
     and train.epochs still ends after one pass over the 18000 training rows, its short last batch included."""
-    from recstack.data.format import PreparedDataset
+    from recstack.data.prepared_dataset import PreparedDataset
 
     data = [f'data.train="{tiny_dataset}"', *SMALL, "train.epochs=1", "train.checkpoint_every=50"]
     stop_at(Trainer(load_config(None, data), tmp_path), 100)

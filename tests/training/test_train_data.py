@@ -13,7 +13,8 @@ import pytest
 from conftest import small_config, train_args
 
 from recstack.cli.main import main
-from recstack.data.format import PreparedWriter, SparseFeatureSpec
+from recstack.data.format import SparseFeatureSpec
+from recstack.data.prepared_writer import PreparedWriter
 from recstack.training.trainer import Trainer
 
 SMALL = [

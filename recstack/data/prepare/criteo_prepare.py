@@ -1,7 +1,7 @@
 """``recstack data prepare``: raw Criteo files -> the prepared columnar format, with bounded memory.
 
 Reads with :class:`recstack.data.prepare.criteo.CriteoReader` (one pass with hashing, two with a vocabulary), writes
-with :class:`recstack.data.format.PreparedWriter`, and shows rows/s on a progress bar.
+with :class:`recstack.data.prepared_writer.PreparedWriter`, and shows rows/s on a progress bar.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from recstack.data.format import PreparedWriter, SparseFeatureSpec
+from recstack.data.format import SparseFeatureSpec
 from recstack.data.prepare.criteo import (
     DENSE_NAMES,
     DENSE_TRANSFORM,
@@ -27,6 +27,7 @@ from recstack.data.prepare.criteo import (
     CriteoReader,
 )
 from recstack.data.prepare.criteo_vocab import VocabCounter, apply_vocabularies
+from recstack.data.prepared_writer import PreparedWriter
 
 
 def sort_day_files(paths: Sequence[str | Path]) -> list[Path]:

@@ -319,7 +319,7 @@ def _only(names: dict[str, Any]) -> str:
 
 
 class Encoder:
-    """Parsed rows -> the arrays :class:`~recstack.data.format.PreparedWriter` takes."""
+    """Parsed rows -> the arrays :class:`~recstack.data.prepared_writer.PreparedWriter` takes."""
 
     def __init__(self, schema: Schema, state: EncodingState, stats_file: str | None = None) -> None:
         """``stats_file``: where ``state`` was read from (``--stats-from``), named when it lacks something."""

@@ -258,7 +258,8 @@ def inspect_prepared(path: str | Path, max_table_size: int = 0, embedding_dim: i
     (after ``model.max_table_size``), with their memory at ``embedding_dim`` float32 columns. Features of up
     to 50M rows also get the Zipf exponent of their value counts (``zipf``, ``fit_zipf_exponent``), and each
     table that of its features' counts together (``recstack plan --zipf-from`` sizes caches with it)."""
-    from recstack.data.format import PreparedDataset, capped_table_sizes
+    from recstack.data.format import capped_table_sizes
+    from recstack.data.prepared_dataset import PreparedDataset
 
     ds = PreparedDataset(path)
     n = len(ds)

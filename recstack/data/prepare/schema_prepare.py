@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from recstack.data.format import PreparedWriter
 from recstack.data.prepare.columns import uniform_hash
 from recstack.data.prepare.encode import Encoder, EncodingState, ParsedChunk, StatsCollector, needs_stats, parse_chunk
 from recstack.data.prepare.readers import BadRow, BadRowLog, DataError, expand_inputs, open_source
 from recstack.data.prepare.schema import Schema, SchemaError, split_time
+from recstack.data.prepared_writer import PreparedWriter
 
 SPLIT_NAMES = ("train", "valid", "test")
 STATS_FILE = "stats.json"

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from recstack.data.format import PreparedWriter, SparseFeatureSpec
+from recstack.data.format import SparseFeatureSpec
+from recstack.data.prepared_writer import PreparedWriter
 from recstack.data.synth.click_model import DATA_STREAM, LABEL, ClickModel, sigmoid
 from recstack.data.synth.zipf import keyed, scalar_key, uniform
 from recstack.metrics import streaming_auc

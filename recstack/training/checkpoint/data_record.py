@@ -15,8 +15,8 @@ import sys
 from typing import Any
 
 from recstack.data.config import DataConfig
-from recstack.data.format import PreparedDataset
 from recstack.data.integrity import fingerprint
+from recstack.data.prepared_dataset import PreparedDataset
 from recstack.errors import ConfigError
 
 KEY = "data_fingerprint"
