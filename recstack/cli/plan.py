@@ -16,9 +16,10 @@ from pathlib import Path
 
 from recstack.distributed.planner.cost import OPTIMIZER_STATE_BYTES, CostConfig, CostModel
 from recstack.distributed.planner.hit_rate import POLICIES, SYNTH_ZIPF_EXPONENT
+from recstack.distributed.planner.inputs import PlanError, TableSpec, Topology
 from recstack.distributed.planner.partition import plan_sharding
+from recstack.distributed.planner.plan import ShardingPlan, parse_json
 from recstack.distributed.planner.report import format_seconds, render_plan
-from recstack.distributed.planner.types import PlanError, ShardingPlan, TableSpec, Topology, parse_json
 from recstack.distributed.sharding import SHARDING_TYPES
 from recstack.io import atomic_write_text, check_writable
 

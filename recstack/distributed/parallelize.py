@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from recstack.compression.base import Codec
 from recstack.distributed.comm import CommStats
 from recstack.distributed.config import DistConfig
-from recstack.distributed.planner.types import PlanError, PlanPlacements, ShardingPlan, Topology
+from recstack.distributed.planner.inputs import PlanError, Topology
+from recstack.distributed.planner.plan import PlanPlacements, ShardingPlan
 from recstack.distributed.sharded_collection import LocalCollection, ShardedEmbeddingCollection, fused_local
 from recstack.distributed.tiered_shards import row_bytes, tiered_local
 from recstack.embedding.collection import TableConfig

@@ -40,7 +40,8 @@ from recstack.distributed import agreement
 from recstack.distributed import grad_aggregation as ga
 from recstack.distributed.comm import CommStats, PooledExchange, all_to_all_variable
 from recstack.distributed.grad_aggregation import GradGroups
-from recstack.distributed.planner.types import PlanPlacements, TableSpec
+from recstack.distributed.planner.inputs import TableSpec
+from recstack.distributed.planner.plan import PlanPlacements
 from recstack.distributed.sharding import Shard, table_shards
 from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_block
 from recstack.embedding.fused import FusedEmbeddingBagCollection, TableInit

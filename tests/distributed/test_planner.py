@@ -15,8 +15,9 @@ import pytest
 
 from recstack.cli import plan as cli
 from recstack.distributed.planner.cost import TERMS, CostConfig, CostModel, row_access
+from recstack.distributed.planner.inputs import PlanError, TableSpec, Topology
 from recstack.distributed.planner.partition import plan_sharding
-from recstack.distributed.planner.types import PlanError, ShardingPlan, TableSpec, Topology
+from recstack.distributed.planner.plan import ShardingPlan
 from recstack.distributed.sharding import SHARDING_TYPES, row_blocks
 
 GB = 10**9

@@ -18,9 +18,10 @@ from recstack.distributed.config import DistConfig
 from recstack.distributed.parallelize import placements_from_config
 from recstack.distributed.planner.cost import TERMS, CostConfig, CostModel
 from recstack.distributed.planner.hit_rate import estimate_cache
+from recstack.distributed.planner.inputs import PlanError, TableSpec, Topology
 from recstack.distributed.planner.partition import plan_sharding
+from recstack.distributed.planner.plan import ShardingPlan
 from recstack.distributed.planner.storage import ShardStorage, StorageError, TierBudgets
-from recstack.distributed.planner.types import PlanError, ShardingPlan, TableSpec, Topology
 from recstack.distributed.sharding import shard_blocks
 from recstack.errors import ConfigError
 

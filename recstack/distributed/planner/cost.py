@@ -77,6 +77,7 @@ from typing import Any
 import numpy as np
 
 from recstack.distributed.planner.hit_rate import POLICIES, SYNTH_ZIPF_EXPONENT, CacheEstimate, estimate_cache
+from recstack.distributed.planner.inputs import PlanError, TableSpec, Topology
 from recstack.distributed.planner.storage import (
     BUDGETS,
     OPTIMIZER_STATE_BYTES,
@@ -84,7 +85,7 @@ from recstack.distributed.planner.storage import (
     row_bytes,
     shard_bytes,
 )
-from recstack.distributed.planner.types import PlanError, TableSharding, TableSpec, Topology
+from recstack.distributed.planner.table_sharding import TableSharding
 from recstack.distributed.sharding import SHARDING_TYPES, shard_blocks
 
 TERMS = ("input_dist", "lookup", "output_dist", "grad_dist", "backward", "allreduce", "cache_miss")

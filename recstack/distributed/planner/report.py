@@ -12,8 +12,10 @@ from typing import TypeVar
 import numpy as np
 
 from recstack.distributed.planner.cost import TERMS, CostModel, Estimate
+from recstack.distributed.planner.inputs import TableSpec
+from recstack.distributed.planner.plan import ShardingPlan
 from recstack.distributed.planner.storage import TIERS
-from recstack.distributed.planner.types import ShardingPlan, TableSharding, TableSpec
+from recstack.distributed.planner.table_sharding import TableSharding
 from recstack.units import format_bytes
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ the rank's SSD, the same device cache). In a plan file a table's cached shards a
 
 Ranks the field does not name, and tables without it, are on the device, so plans written before tiers existed
 read as before. Each rank holds at most one shard of a table, so the rank names the shard;
-:meth:`TableSharding.shard_storage <recstack.distributed.planner.types.TableSharding.shard_storage>` gives
+:meth:`TableSharding.shard_storage <recstack.distributed.planner.table_sharding.TableSharding.shard_storage>` gives
 them in shard order (``ShardStorage`` or None for the device). ``data_parallel`` tables stay on the device.
 
 Bytes per shard (w bytes per weight, s bytes of optimizer state per row; rows x cols the shard's block):

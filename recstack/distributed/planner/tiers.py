@@ -29,8 +29,9 @@ import numpy as np
 
 from recstack.distributed.planner.cost import CostModel, Estimate
 from recstack.distributed.planner.hit_rate import ZipfRows
+from recstack.distributed.planner.inputs import TableSpec
 from recstack.distributed.planner.storage import ShardStorage, row_bytes
-from recstack.distributed.planner.types import TableSharding, TableSpec
+from recstack.distributed.planner.table_sharding import TableSharding
 from recstack.distributed.sharding import shard_blocks
 
 
