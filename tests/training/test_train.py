@@ -340,7 +340,7 @@ def test_override_sets_one_key_of_a_table() -> None:
 
 def test_configs_in_repo_load() -> None:
     recipes = sorted(REPO.joinpath("configs", "recipes").glob("*.toml"))
-    assert [p.name for p in recipes] == ["categorical.toml", "criteo.toml", "ratings_history.toml"]
+    assert [p.name for p in recipes] == ["categorical.toml", "criteo.toml", "criteo_small.toml", "ratings_history.toml"]
     for path in [*REPO.joinpath("configs").glob("*.toml"), *recipes]:
         if not path.name.startswith("exfm_"):  # `recstack exfm run` configs have their own schema
             load_config(path)
@@ -351,6 +351,9 @@ def test_criteo_recipe_is_the_reference_kaggle_setup() -> None:
     recipe, kaggle = load_config(REPO / "configs/recipes/criteo.toml"), load_config(REPO / "configs/criteo_kaggle.toml")
     assert recipe.model == kaggle.model and recipe.optim == kaggle.optim
     assert recipe.train.batch_size == kaggle.train.batch_size and recipe.train.epochs == kaggle.train.epochs
+    # The small-data recipe keeps the model and changes only how it is trained.
+    small = load_config(REPO / "configs/recipes/criteo_small.toml")
+    assert small.model == recipe.model and small.optim != recipe.optim and small.train.early_stopping.patience > 0
 
 
 def _records(path: Path) -> list[tuple]:
