@@ -173,7 +173,8 @@ def run_inspect(args: argparse.Namespace) -> None:
     if args.infer_schema != "-":
         print(format_file_report(report))
         if schema is not None or report.label is not None:  # a layout to suggest a recipe for
-            print(recipe_line(recipe_for_schema(schema or infer_schema(report, args.label)[0])))
+            rows = None if args.rows and report.rows >= args.rows else report.rows  # None: only the first rows
+            print(recipe_line(recipe_for_schema(schema or infer_schema(report, args.label)[0], rows)))
     if args.infer_schema:
         inferred, comments = infer_schema(report, args.label)
         header = (f"# Inferred by `recstack data inspect` from {', '.join(map(str, report.paths[:3]))}"

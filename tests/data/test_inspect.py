@@ -139,8 +139,18 @@ def test_inspect_suggests_the_recipe_of_the_layout(files: dict, tmp_path: Path,
                     + ",".join(f"{rng.integers(1 << 30):08x}" for _ in range(26)))
     csv = tmp_path / "criteo.csv"
     csv.write_text("\n".join(rows) + "\n")
-    cases.append(([str(csv), "--schema", str(criteo_schema)], "configs/recipes/criteo.toml"))
+    cases.append(([str(csv), "--schema", str(criteo_schema)], "configs/recipes/criteo_small.toml"))
+    # Only the first rows read: the size is not known, so the recipe for Criteo-sized logs.
+    cases.append(([str(csv), "--schema", str(criteo_schema), "--rows", "20"], "configs/recipes/criteo.toml"))
     for args, recipe in cases:
         assert main(["data", "inspect", *args]) == 0
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("suggested recipe"))
         assert f"--config {recipe} " in line and (REPO / recipe).is_file()
+
+
+def test_criteo_layout_recipe_depends_on_the_row_count() -> None:
+    from recstack.cli.recipes import SMALL_CRITEO_ROWS, recipe_for_schema
+    sch = load_schema(REPO / "configs" / "schemas" / "criteo_csv.toml")
+    assert recipe_for_schema(sch, SMALL_CRITEO_ROWS - 1)[0] == "configs/recipes/criteo_small.toml"
+    assert recipe_for_schema(sch, SMALL_CRITEO_ROWS)[0] == "configs/recipes/criteo.toml"
+    assert recipe_for_schema(sch, None)[0] == "configs/recipes/criteo.toml"
