@@ -20,6 +20,8 @@ Case -> test (``module::name`` under tests/), for every case of the hardening wo
     test_fault_matrix.py::test_a_crafted_tiered_checkpoint_file_runs_nothing
 - crafted ExFM snapshot:
     training/test_checkpoint_security.py::test_crafted_exfm_snapshot_runs_nothing
+- crafted serving artifact (``dense.pt2`` with a pickled entry, table ``.npy`` of objects):
+    serving/test_artifact_security.py::test_a_crafted_artifact_file_runs_nothing_in_recstack_serve
 
 2. Hangs between ranks
 - stopped peer, all-to-all timeout:
