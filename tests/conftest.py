@@ -166,6 +166,17 @@ def kill_after_checkpoints(args: list[str], ckpt_dir: Path, n: int, *, launcher:
     return proc
 
 
+class Payload:
+    """Unpickled unrestricted (``pickle.loads``, ``torch.load(weights_only=False)``), it runs ``touch <marker>``:
+    what the crafted-file tests put into the files they craft (the marker file must never appear)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for MASTER_PORT)."""
     with socket.socket() as s:

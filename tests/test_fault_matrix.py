@@ -22,6 +22,8 @@ Case -> test (``module::name`` under tests/), for every case of the hardening wo
     training/test_checkpoint_security.py::test_crafted_exfm_snapshot_runs_nothing
 - crafted serving artifact (``dense.pt2`` with a pickled entry, table ``.npy`` of objects):
     serving/test_artifact_security.py::test_a_crafted_artifact_file_runs_nothing_in_recstack_serve
+- crafted ExFM stream checkpoint on resume:
+    exfm/test_exfm_stream.py::test_resume_skips_a_crafted_checkpoint_naming_it_and_runs_nothing
 
 2. Hangs between ranks
 - stopped peer, all-to-all timeout:
@@ -138,7 +140,6 @@ SIGKILL during prepare / synth
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
 import signal
@@ -150,7 +151,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import RECSTACK, SMALL, count_checkpoints, run_cli, snapshot_files, train_args
+from conftest import RECSTACK, SMALL, Payload, count_checkpoints, run_cli, snapshot_files, train_args
 
 from recstack.training.checkpoint.single import list_checkpoints
 
@@ -274,16 +275,6 @@ def test_a_stray_tmp_directory_is_never_taken_as_data(tmp_path: Path) -> None:
     res = run_cli(["data", "prepare", str(raw), "--out", str(tmp_path / "out")], timeout=END)
     assert res.returncode == 0, res.stderr[-2000:]
     assert not stray.exists() and (tmp_path / "out" / "meta.json").is_file()
-
-
-class Payload:
-    """Unpickled unrestricted, it runs ``touch <marker>``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return os.system, (f"touch {self.marker}",)
 
 
 # The tiny set's C4 in an ssd-cached tier: a checkpoint directory with table files and a state.pt.

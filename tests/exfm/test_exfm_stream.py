@@ -1,12 +1,16 @@
-"""Streaming windows and the streaming trainer: progressive evaluation, one pass per window, exact resume."""
+"""Streaming windows and the streaming trainer: progressive evaluation, one pass per window, exact resume, and a
+crafted checkpoint skipped on resume without running anything."""
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import Payload
 
 from recstack.data.format import PreparedFormatError
 from recstack.data.prepared_dataset import PreparedDataset
@@ -124,3 +128,24 @@ def test_resume_after_a_crash_mid_window_matches_an_uninterrupted_stream(
 def _same_but_timing(a: list[dict], b: list[dict]) -> bool:
     strip = [{k: v for k, v in r.items() if k != "train_seconds"} for r in a]
     return strip == [{k: v for k, v in r.items() if k != "train_seconds"} for r in b]
+
+
+def test_resume_skips_a_crafted_checkpoint_naming_it_and_runs_nothing(reference: tuple[dict, Path], data: Path,
+                                                                        tmp_path: Path) -> None:
+    """A ``ckpt_*.pt`` newer than the stream's own, crafted to run a command when unpickled: the resume of the
+    stream (``StreamTrainer``'s, as ``recstack exfm`` runs it) skips it with a warning naming the file, continues
+    from the intact checkpoint (every window done: the records are the uninterrupted run's), and the command never
+    runs."""
+    ref, ref_dir = reference
+    run = tmp_path / "run"
+    shutil.copytree(ref_dir, run)
+    ckpts = run / "checkpoints"
+    assert [p.name for p in list_checkpoints(ckpts)] == ["ckpt_000000005.pt"]
+    marker, crafted = tmp_path / "pwned", ckpts / "ckpt_000000009.pt"
+    torch.save({"complete": True, "next_window": 0, "x": Payload(marker)}, crafted)  # a valid torch file
+    refused = re.escape(f"skipping {crafted}: refused: it holds objects other than tensors")
+    with pytest.warns(UserWarning, match=refused):
+        res = _run(data, run)
+    assert not marker.exists()
+    assert res["records"] == ref["records"]
+    assert crafted.is_file()  # skipped, not removed: what to do with it is the user's call

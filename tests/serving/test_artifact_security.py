@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -19,22 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CHECKPOINT_STEPS, free_port, run_cli, train_steps
+from conftest import CHECKPOINT_STEPS, Payload, free_port, run_cli, train_steps
 
 from recstack.serving.artifact import MANIFEST, read_manifest, sha256_file
 from recstack.serving.export import export_checkpoint
 
 END = 120  # seconds a refused `recstack serve` gets to end: a bound on hangs, not a performance figure
-
-
-class Payload:
-    """Unpickled unrestricted, it runs ``touch <marker>``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return os.system, (f"touch {self.marker}",)
 
 
 def torch_bytes(obj: object) -> bytes:

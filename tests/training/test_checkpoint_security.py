@@ -7,30 +7,19 @@ the restricted readers themselves are what stops it."""
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHECKPOINT_STEPS, SMALL, run_cli, torchrun, train_args
+from conftest import CHECKPOINT_STEPS, SMALL, Payload, run_cli, torchrun, train_args
 
 from recstack.errors import CheckpointError
 
 DIGESTS = "file_sha256"  # the key of trainer.pt / state.pt that records the other files' checksums
 
 STEPS = CHECKPOINT_STEPS
-
-
-class Payload:
-    """Unpickled unrestricted, it runs ``touch <marker>``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
 
 
 def crafted_pickle(marker: Path) -> bytes:
