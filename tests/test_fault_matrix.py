@@ -94,6 +94,8 @@ Case -> test (``module::name`` under tests/), for every case of the hardening wo
     training/test_disk_faults.py::test_predict_on_a_full_disk_leaves_no_tmp
 - ``prepare`` on a full disk:
     training/test_disk_faults.py::test_prepare_on_a_full_disk_leaves_no_tmp
+- ``data synth --out`` / ``plan --out`` on a full disk:
+    training/test_disk_faults.py::test_synth_and_plan_on_a_full_disk_leave_nothing
 - read-only place, every writer:
     training/test_disk_faults.py::test_every_writer_on_a_read_only_place_fails_at_once
 - ``prepare --out <file> --overwrite``:

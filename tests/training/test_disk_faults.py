@@ -75,6 +75,24 @@ def test_prepare_on_a_full_disk_leaves_no_tmp(tmp_path: Path) -> None:
         assert not out.exists() and leftovers(disk.path) == []
 
 
+@pytest.mark.parametrize("command", ["synth", "plan"])
+def test_synth_and_plan_on_a_full_disk_leave_nothing(command: str, tmp_path: Path) -> None:
+    """``data synth --out`` (190 KB of arrays for 1000 rows) and ``plan --out`` (a 2 KB plan) on a disk with
+    1 KiB left: one line naming the output and the cause, exit 2, nothing left on the disk (no .tmp, no part of
+    the output)."""
+    with small_disk(tmp_path) as disk:
+        out = disk.path / ("synth" if command == "synth" else "plan.json")
+        args = {"synth": ["data", "synth", "--rows", "1000", "--out", str(out)],
+                "plan": ["plan", "--synthetic-tables", "2", "--rows", "1000", "--dim", "16", "--topology", "1x2",
+                         "--out", str(out)]}[command]
+        disk.fill(1024)
+        line = error_line(disk.run(args))
+        assert f"cannot write {out}" in line and line.endswith(disk.error), line
+        assert sorted(p.name for p in disk.path.iterdir() if p != disk.filler) == []
+        disk.free_up()  # the same command succeeds once there is room: the disk was the only fault
+        assert disk.run(args).returncode == 0 and out.exists()
+
+
 def _commands(ro: Path, single_run: Path, tiny_dataset: Path, raw: Path) -> dict[str, list[str]]:
     out = ro / "out"
     return {
