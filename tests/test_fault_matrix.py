@@ -37,6 +37,8 @@ Case -> test (``module::name`` under tests/), for every case of the hardening wo
 - different data / plans:
     distributed/test_rank_faults.py::test_ranks_with_different_data_stop_at_start
     distributed/test_rank_faults.py::test_ranks_with_different_plans_stop_at_start
+- different world layouts (ranks per node, ``--resume`` on one rank):
+    distributed/test_rank_faults.py::test_ranks_with_different_world_layouts_stop_at_start
 - first difference named:
     distributed/test_rank_faults.py::test_first_difference_names_the_first_field_and_groups_the_ranks
 

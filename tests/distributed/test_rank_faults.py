@@ -1,6 +1,7 @@
 """Faults between ranks, in real gloo processes: a stopped rank makes the others fail with a PeerFailure within
-``dist.timeout_s`` (every process group has that timeout), and ranks started with different configs, shardings or
-data stop at start-up with one error naming the first difference, before any training collective."""
+``dist.timeout_s`` (every process group has that timeout), and ranks started with different configs, shardings,
+data or world layouts stop at start-up with one error naming the first difference, before any training
+collective."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import SMALL, free_port, set_options, start_cli, torchrun, train_args, write_tiny_dataset
 
 TIMEOUT_S = 10  # dist.timeout_s of these runs
@@ -68,16 +70,21 @@ def test_stopped_rank_fails_the_other_within_the_timeout(tiny_dataset: Path, tmp
     assert "exitcode  : 3" in err or "exitcode: 3" in err, err[-3000:]
 
 
-def _start_ranks(per_rank: list[list[str]], out: Path, cwds: list[Path] | None = None) -> list[subprocess.Popen]:
+def _start_ranks(per_rank: list[list[str]], out: Path, cwds: list[Path] | None = None,
+                 envs: list[dict[str, str]] | None = None, flags: list[list[str]] | None = None
+                 ) -> list[subprocess.Popen]:
     """``recstack train`` as ranks 0..n-1 of one job, each with its own overrides (torchrun gives every rank the
-    same arguments; this is what ranks started by hand, or on nodes with other files, look like)."""
+    same arguments; this is what ranks started by hand, or on nodes with other files, look like); ``envs``: more
+    environment of each rank (over torchrun's variables), ``flags``: more command-line flags of each rank."""
     port, world = free_port(), len(per_rank)
     base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     procs = []
     for rank, options in enumerate(per_rank):
         env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cmd = [sys.executable, "-m", "recstack", "train", "--output-dir", str(out), *set_options(options)]
+        env.update(envs[rank] if envs else {})
+        cmd = [sys.executable, "-m", "recstack", "train", "--output-dir", str(out), *set_options(options),
+               *(flags[rank] if flags else [])]
         procs.append(subprocess.Popen(cmd, env=env, cwd=cwds[rank] if cwds else None, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True))
     return procs
@@ -143,6 +150,25 @@ def test_ranks_with_different_plans_stop_at_start(tiny_dataset: Path, tmp_path: 
     errs = _finish(_start_ranks([common, common], tmp_path / "run", cwds))
     for e in errs:
         assert "the resolved placements (dist.plan" in e and "C1" in e, e[-2000:]
+
+
+@pytest.mark.parametrize(("envs", "flags", "difference"), [
+    ([{}, {"LOCAL_WORLD_SIZE": "1"}], None,
+     "ranks per node (dist.ranks_per_node or LOCAL_WORLD_SIZE): rank 0 has 2, rank 1 has 1"),
+    (None, [["--resume"], []], "--resume: rank 0 has True, rank 1 has False"),
+], ids=["ranks-per-node", "resume"])
+def test_ranks_with_different_world_layouts_stop_at_start(tiny_dataset: Path, tmp_path: Path,
+                                                          envs: list[dict[str, str]] | None,
+                                                          flags: list[list[str]] | None, difference: str) -> None:
+    """The same config, but one rank told another layout (LOCAL_WORLD_SIZE: 1 rank per node, where the other
+    has 2) or started with ``--resume`` alone: every rank stops at start-up (exit 2, not a timeout's exit 3)
+    with the same error naming the difference, before it writes anything."""
+    run = tmp_path / "run"
+    errs = _finish(_start_ranks([_common(str(tiny_dataset))] * 2, run, envs=envs, flags=flags))
+    for e in errs:
+        assert f"disagree on their config and world layout: {difference}" in e, e[-2000:]
+        assert "Traceback" not in e, e[-2000:]
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 
 def test_first_difference_names_the_first_field_and_groups_the_ranks() -> None:
