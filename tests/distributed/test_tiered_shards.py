@@ -4,7 +4,9 @@ Each rank places its local shards within small per-rank ``[memory]`` budgets (ca
 rows, so most lookups miss): host-cached or ssd-cached, LRU or LFU, every sharding type, SGD and row-wise
 Adagrad. The cached tiers compute exactly what the in-memory shards compute (same values, same order of sums),
 so a tiered run equals the same sharded run in memory bit for bit, and one process on the global batch within
-1e-6 (the sharded run sums in another order).
+1e-6 (the sharded run sums in another order). Column-wise shards with row-wise Adagrad are the one exception to
+the second comparison: each shard keeps its own accumulator (as TorchRec's do), so they equal only the same
+sharded run in memory.
 """
 
 from __future__ import annotations
@@ -21,19 +23,26 @@ from test_sharded import _run as sharded_run
 
 STEPS = 12
 TOL = 1e-6
-# (sharding, sparse optimizer, cache policy, tier). Column-wise shards keep row-wise Adagrad state per shard
-# (documented), so column-wise layouts are compared with SGD only.
+# (sharding, sparse optimizer, cache policy, tier)
 CASES_2 = [("table_wise", "rowwise_adagrad", "lfu", "ssd"), ("row_wise", "rowwise_adagrad", "lru", "host"),
-           ("column_wise", "sgd", "lfu", "host"), ("table_row_wise", "rowwise_adagrad", "lfu", "host"),
-           ("table_row_wise", "sgd", "lru", "ssd"), ("data_parallel", "rowwise_adagrad", "lru", "host"),
-           ("mixed", "sgd", "lru", "ssd")]
-CASES_4 = [("mixed", "sgd", "lfu", "host"), ("row_wise", "rowwise_adagrad", "lru", "ssd")]
+           ("column_wise", "sgd", "lfu", "host"), ("column_wise", "rowwise_adagrad", "lru", "ssd"),
+           ("table_row_wise", "rowwise_adagrad", "lfu", "host"), ("table_row_wise", "sgd", "lru", "ssd"),
+           ("data_parallel", "rowwise_adagrad", "lru", "host"), ("mixed", "sgd", "lru", "ssd")]
+# 4 ranks: table_row_wise then spreads each table over the 2 ranks of one node (2 nodes of 2 ranks)
+CASES_4 = [("mixed", "sgd", "lfu", "host"), ("row_wise", "rowwise_adagrad", "lru", "ssd"),
+           ("table_row_wise", "rowwise_adagrad", "lru", "ssd"), ("column_wise", "sgd", "lru", "host")]
+# Layouts whose sharded run differs from one process by design: a column-wise shard's row-wise Adagrad
+# accumulator is the mean square of that shard's columns only (one accumulator per row per shard, as TorchRec
+# keeps them; recstack/distributed/sharding.py), not of the whole row, so its steps differ from one process's.
+# They are compared bit for bit with the same sharded run in memory, not with one process.
+OWN_SHARD_STATE = {("column_wise", "rowwise_adagrad")}
 
 
-def _memory(policy: str, tier: str, ssd_dir: Path, sharding: str) -> list[str]:
+def _memory(policy: str, tier: str, ssd_dir: Path, sharding: str, world: int) -> list[str]:
     """Per-rank budgets of a few KiB of device cache (a 1000-row table is 25% cached or less), beside the
-    data-parallel tables (48.9 KiB all four, with row-wise Adagrad), which stay on the device."""
-    device = 56_000 if sharding == "data_parallel" else 6000
+    data-parallel tables (48.9 KiB all four, with row-wise Adagrad), which stay on the device. Column-wise
+    shards hold DIM / world columns, so their budget shrinks with their rows' bytes."""
+    device = 56_000 if sharding == "data_parallel" else 12_000 // world if sharding == "column_wise" else 6000
     out = [f'memory.device="{device}"', f'memory.cache_policy="{policy}"']
     if tier == "ssd":  # no host budget to speak of: every cached shard goes to a file
         out += ['memory.host="1"', f'memory.ssd_dir="{ssd_dir}"']
@@ -103,7 +112,7 @@ def _worker(rank: int, world: int, init_file: str, data: str, out: str, cases: l
             results[name] = {
                 "memory": _run(Path(data), opt, rank, world, placements, rpn),
                 "tiered": _run(Path(data), opt, rank, world, placements, rpn,
-                               tuple(_memory(policy, tier, ssd, sharding))),
+                               tuple(_memory(policy, tier, ssd, sharding, world))),
                 "ssd_files": sorted(p.name for p in ssd.iterdir()) if ssd.is_dir() else [],
             }
         checkpoint = _checkpoint_case(rank, world, Path(tmp)) if world == 2 else []
@@ -132,11 +141,15 @@ def _check(tmp_path: Path, data: Path, world: int, cases: list) -> None:
         assert tiered["auc"] == mem["auc"], name
         for t, m in zip(tiered["tables"], mem["tables"], strict=True):
             assert torch.equal(t, m), f"{name}: tables differ from the in-memory shards'"
-        # and one process with every table in memory, up to the sharded run's order of sums
-        assert tiered["losses"] == pytest.approx(ref["losses"], abs=TOL), name
-        assert tiered["auc"] == pytest.approx(ref["auc"], abs=TOL), name
-        for t, r in zip(tiered["tables"], ref["tables"], strict=True):
-            torch.testing.assert_close(t, r, atol=TOL, rtol=0, msg=f"{name}: tables differ from one process's")
+        if (sharding, opt) in OWN_SHARD_STATE:  # by design not one process's steps (see OWN_SHARD_STATE): the
+            # exception holds only while the difference is real
+            assert not all(torch.allclose(t, r, atol=TOL, rtol=0) for t, r in zip(tiered["tables"], ref["tables"],
+                                                                                   strict=True)), name
+        else:  # and one process with every table in memory, up to the sharded run's order of sums
+            assert tiered["losses"] == pytest.approx(ref["losses"], abs=TOL), name
+            assert tiered["auc"] == pytest.approx(ref["auc"], abs=TOL), name
+            for t, r in zip(tiered["tables"], ref["tables"], strict=True):
+                torch.testing.assert_close(t, r, atol=TOL, rtol=0, msg=f"{name}: tables differ from one process's")
         requests = sum(c[name][0] for c in saved["cache"])
         hits = sum(c[name][1] for c in saved["cache"])
         if sharding == "data_parallel":  # replicated tables stay on the device: nothing cached
