@@ -1,10 +1,12 @@
 """Where tensors live on the GPU paths, checked on a CPU machine: "meta" stands in for a CUDA device (a tensor
-there that meets a CPU one fails the same way), and a stand-in object for a tensor that only ``.cpu()`` can read.
-The tests that need a real GPU are skipped without one."""
+there that meets a CPU one fails the same way), and a stand-in object for a tensor that only ``.cpu()`` can read;
+how a rank joins a job on CUDA (NCCL, its timeout and watchdog setting), with stand-ins for CUDA and NCCL. The
+tests that need a real GPU are skipped without one."""
 
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import free_port
 
 from recstack.data.batch import SparseFeatures
 from recstack.embedding import FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
@@ -50,6 +53,66 @@ def test_sharded_collection_tables_are_on_its_device(tmp_path: Path) -> None:
         dist.destroy_process_group()
     assert any(name.startswith("groups.") for name in devices) and any(n.startswith("replicated.") for n in devices)
     assert set(devices.values()) == {"meta"}, devices
+
+
+@pytest.mark.parametrize("preset", [None, "1"], ids=["unset", "set-by-the-user"])
+def test_init_on_cuda_takes_nccl_with_the_timeout_on_every_group(monkeypatch: pytest.MonkeyPatch,
+                                                                 preset: str | None) -> None:
+    """Under torchrun with CUDA, ``init_distributed`` starts NCCL with ``dist.timeout_s`` as the group's timeout,
+    sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (NCCL's watchdog tears down a rank whose collective timed out) when
+    the user has not, and the embedding collection's process groups (all-to-alls, input distribution) get the
+    same timeout.
+
+    A unit test: this machine has no GPU, so ``torch.cuda.is_available`` and ``set_device`` are stand-ins, and
+    ``init_process_group`` records what it was asked for, then starts a real one-rank gloo group in its place
+    (NCCL cannot start without a GPU) so that the code after it runs as under torchrun. The same timeout is
+    tested end to end on gloo (``test_rank_faults.py``)."""
+    import datetime
+
+    from recstack.config import load_config
+    from recstack.distributed import parallelize
+
+    cfg = load_config(None, ["dist.timeout_s=17"]).dist
+    asked: list[tuple[str | None, dict]] = []
+    devices: list[torch.device] = []
+    real_init, real_new_group = dist.init_process_group, dist.new_group
+    new_groups: list[dict] = []
+
+    def init_process_group(backend: str | None = None, **kwargs: object) -> None:
+        asked.append((backend, kwargs))
+        real_init("gloo", **kwargs)
+
+    def new_group(*args: object, **kwargs: object) -> object:
+        new_groups.append(kwargs)
+        return real_new_group(*args, **kwargs)
+
+    port = free_port()
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port), "TORCH_NCCL_ASYNC_ERROR_HANDLING": preset or "-"}.items():
+        monkeypatch.setenv(name, value)  # (each one restored afterwards, also the one init sets)
+    if preset is None:
+        monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    for name in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist, "new_group", new_group)
+    try:
+        assert parallelize.init_distributed(cfg.timeout_s) == (0, 1, torch.device("cuda", 0))
+        from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
+
+        ShardedEmbeddingCollection(TABLES, SparseOptimizerConfig("rowwise_adagrad"),
+                                   [("table_wise", [0]), ("row_wise", [0]), ("data_parallel", [0])], device="meta",
+                                   timeout_s=cfg.timeout_s)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    timeout = datetime.timedelta(seconds=17)
+    assert [backend for backend, _ in asked] == ["nccl"] and asked[0][1]["timeout"] == timeout
+    assert devices == [torch.device("cuda", 0)]
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == (preset or "3")
+    assert len(new_groups) == 4 and all(g.get("timeout") == timeout for g in new_groups), new_groups
 
 
 class _OnDevice:
