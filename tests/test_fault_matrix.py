@@ -51,7 +51,7 @@ Case -> test (``module::name`` under tests/), for every case of the hardening wo
     training/test_checkpoint_faults.py::test_a_truncated_table_file_is_refused_naming_the_file
 - sharded eval falls back:
     training/test_checkpoint_faults.py::test_sharded_eval_falls_back_to_the_newest_intact_checkpoint
-- sharded resume falls back / none readable:
+- sharded resume falls back (truncated ``trainer.pt`` or ``.metadata``) / none readable:
     training/test_checkpoint_faults.py::test_sharded_resume_falls_back_and_stops_when_none_is_readable
 - single resume, none readable:
     training/test_checkpoint_faults.py::test_single_resume_with_no_readable_checkpoint_is_an_error_that_changes_nothing

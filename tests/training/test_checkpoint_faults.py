@@ -5,6 +5,7 @@ a refused resume leaves the run directory as it was. Checkpoints written before 
 
 from __future__ import annotations
 
+import re
 import shutil
 import struct
 import zipfile
@@ -142,18 +143,23 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(single_run: Path, t
     assert snapshot(run) == before
 
 
+@pytest.mark.parametrize(("name", "refusal"), [("trainer.pt", "cannot be loaded"),
+                                               (".metadata", r"\d+ bytes, the checkpoint recorded \d+")],
+                         ids=["trainer.pt", "metadata"])
 def test_sharded_resume_falls_back_and_stops_when_none_is_readable(sharded_run: Path, tiny_dataset: Path,
-                                                                   tmp_path: Path) -> None:
-    """The newest checkpoint truncated: every rank resumes from the older one. Every one damaged: the resume
-    stops with an error on every rank (not a start from scratch) and leaves the run as it was."""
+                                                                   tmp_path: Path, name: str, refusal: str) -> None:
+    """The newest checkpoint's ``trainer.pt`` or DCP ``.metadata`` truncated: every rank resumes from the older
+    one. Every one damaged: the resume stops with an error on every rank (not a start from scratch) and leaves
+    the run as it was."""
     run = copy_run(sharded_run, tmp_path)
     ckpts = run / "checkpoints"
-    truncate(ckpts / "step_000000004" / "trainer.pt")
+    truncate(ckpts / "step_000000004" / name)
     args = train_args(run, tiny_dataset, [*SMALL, *STEPS[1:], "train.max_steps=6"], "--resume")
     res = run_cli(args, launcher=torchrun(2), timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resume: continuing from {ckpts / 'step_000000002'} (step 2)" in res.stdout, res.stdout
-    assert f"skipping {ckpts / 'step_000000004' / 'trainer.pt'}: cannot be loaded" in res.stderr, res.stderr[-3000:]
+    assert re.search(rf"skipping .*{re.escape(str(ckpts / 'step_000000004' / name))}: {refusal}", res.stderr), \
+        res.stderr[-3000:]
 
     for step_dir in ckpts.iterdir():
         truncate(step_dir / "__0_0.distcp")
