@@ -23,24 +23,28 @@ from recstack.embedding.sparse_optim import SparseOptimizer, SparseOptimizerConf
 class TableConfig:
     """One embedding table. Several features may share it (``features`` lists their indices). Rows
     [0, ``zero_rows``) start at zero instead of random values: the rows a prepared set reserves for no known value
-    (missing, out of vocabulary), which training may never touch and which serving looks up for unseen values."""
+    (missing, out of vocabulary), which training may never touch and which serving looks up for unseen values.
+    ``init_bound`` > 0 draws the other rows from uniform(-init_bound, init_bound) instead of the DLRM reference's
+    uniform(-1/sqrt(rows), 1/sqrt(rows)), which is large for small tables (+-0.58 for 3 rows)."""
 
     name: str
     num_embeddings: int
     embedding_dim: int
     features: tuple[int, ...]
     zero_rows: int = 0
+    init_bound: float = 0.0
 
 
 def _generator(table: TableConfig, seed: int, index: int) -> tuple[torch.Generator, float]:
-    """The per-table generator and bound of the DLRM reference init uniform(-1/sqrt(rows), 1/sqrt(rows))."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + index), table.num_embeddings**-0.5
+    """The per-table generator and the bound of its uniform init: ``init_bound``, else the DLRM reference's
+    1/sqrt(rows)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + index), table.init_bound or table.num_embeddings**-0.5
 
 
 def init_table(table: TableConfig, seed: int, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """DLRM reference init, uniform(-1/sqrt(rows), 1/sqrt(rows)), from a generator seeded per table so
-    that every placement (one device, sharded, tiered) builds bit-identical rows. -> [rows, dim] (rows may be
-    0: an empty row shard)."""
+    """DLRM reference init, uniform(-1/sqrt(rows), 1/sqrt(rows)) (or +-``init_bound``), from a generator seeded
+    per table so that every placement (one device, sharded, tiered) builds bit-identical rows. -> [rows, dim]
+    (rows may be 0: an empty row shard)."""
     w = torch.empty(table.num_embeddings, table.embedding_dim, dtype=dtype)
     if table.num_embeddings == 0:  # an empty row shard (more row blocks than rows): nothing to draw
         return w

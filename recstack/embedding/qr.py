@@ -80,8 +80,9 @@ class QRSplit:
             if rem_name in taken:
                 raise ValueError(f"model.qr_collisions: table {t.name!r} cannot be split, a table {rem_name!r} exists")
             q_rows, r_rows = split_rows(t.num_embeddings, collisions, threshold)  # type: ignore[misc]
-            out.append(TableConfig(t.name, q_rows, t.embedding_dim, t.features))
-            remainders.append(TableConfig(rem_name, r_rows, t.embedding_dim, tuple(slot[f] for f in t.features)))
+            out.append(TableConfig(t.name, q_rows, t.embedding_dim, t.features, init_bound=t.init_bound))
+            remainders.append(TableConfig(rem_name, r_rows, t.embedding_dim, tuple(slot[f] for f in t.features),
+                                          init_bound=t.init_bound))
         divisors = torch.ones(num_features, dtype=torch.int64)
         divisors[list(split_features)] = collisions
         partner = torch.full((num_features,), len(split_features), dtype=torch.int64)

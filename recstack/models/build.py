@@ -19,11 +19,12 @@ from recstack.units import format_bytes
 
 
 def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = None,
-                  dims: dict[str, int] | None = None, zero_rows: list[int] | None = None) -> list[TableConfig]:
+                  dims: dict[str, int] | None = None, zero_rows: list[int] | None = None,
+                  init_bound: float = 0.0) -> list[TableConfig]:
     """``table_sizes``, ``names`` and ``zero_rows`` have one entry per sparse feature: the table it looks up, and
     the rows [0, k) of it that start at zero (the prepared set's ``reserved_rows``). Features that name the same
     table share it (a schema's ``table = ...``), so their sizes must agree. Tables have ``dim`` columns, those
-    named in ``dims`` their own."""
+    named in ``dims`` their own; ``init_bound`` > 0 is every table's uniform init bound (``TableConfig``)."""
     dims = dims or {}
     names = names or [f"t{i}" for i in range(len(table_sizes))]
     features: dict[str, list[int]] = {}
@@ -35,7 +36,8 @@ def table_configs(table_sizes: list[int], dim: int, names: list[str] | None = No
         if len(sizes) != 1:
             raise ValueError(f"table {name!r} is shared by features {feats} with different sizes {sorted(sizes)}")
         reserved = min(max((zero_rows or [0] * len(table_sizes))[i] for i in feats), table_sizes[feats[0]])
-        tables.append(TableConfig(name, table_sizes[feats[0]], dims.get(name, dim), tuple(feats), reserved))
+        tables.append(TableConfig(name, table_sizes[feats[0]], dims.get(name, dim), tuple(feats), reserved,
+                                  init_bound))
     return tables
 
 
@@ -91,7 +93,8 @@ def build_model(
     model.check_dense(num_dense)  # the bottom MLP's widths, now that the data's dense features are known
     names = names or [f"t{i}" for i in range(len(table_sizes))]
     model.check_table_names(names)
-    tables = table_configs(table_sizes, model.embedding_dim, names, model.table_dims, zero_rows)
+    tables = table_configs(table_sizes, model.embedding_dim, names, model.table_dims, zero_rows,
+                           model.embedding_init_bound)
     qr = QRSplit.build(tables, model.qr_collisions, model.qr_threshold, model.qr_operation)
     if qr is not None:  # the collection holds the quotient and remainder tables
         tables = list(qr.tables)

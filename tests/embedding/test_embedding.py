@@ -94,6 +94,21 @@ def test_init_is_per_table_and_seeded() -> None:
     assert init_table(t, 0, 2).abs().max() <= 0.1
 
 
+def test_init_bound_scales_every_placement_alike() -> None:
+    """model.embedding_init_bound: rows drawn from +-bound (the same draws as the reference init, scaled), reserved
+    rows still zero, and the chunked draw (tiered files) and a shard's block (sharded tables) the same rows."""
+    from recstack.embedding.collection import init_block, init_row_chunks
+
+    ref, small = TableConfig("t", 3, 64, (0,), zero_rows=1), TableConfig("t", 3, 64, (0,), zero_rows=1,
+                                                                         init_bound=1e-3)
+    want, got = init_table(ref, 4, 2), init_table(small, 4, 2)
+    assert want.abs().max() > 0.5  # the reference's 1/sqrt(3) for a 3-row table
+    assert got.abs().max() <= 1e-3 and torch.count_nonzero(got[:1]) == 0
+    torch.testing.assert_close(got, want * (1e-3 * 3**0.5), rtol=1e-5, atol=0)
+    assert torch.equal(torch.cat(list(init_row_chunks(small, 4, 2, chunk_rows=2))), got)
+    assert torch.equal(init_block(small, 4, 2, (1, 3), (8, 40)), got[1:3, 8:40])
+
+
 @pytest.mark.parametrize("sharding,k", [("table_wise", 1), ("row_wise", 3), ("row_wise", 4), ("column_wise", 2),
                                         ("column_wise", 4), ("table_row_wise", 2)])
 @pytest.mark.parametrize("chunk_bytes", [4 * 6 * 7, 4 * 6 * 1000, 1 << 20])  # 7 rows, 1000 rows, the whole table

@@ -38,3 +38,14 @@ def test_tables_on_meta_keep_the_dense_layers_and_draw_no_rows() -> None:
 def test_sparse_optimizer_config_reads_the_optim_section() -> None:
     o = OptimConfig(sparse="rowwise_adagrad", sparse_lr=0.3, eps=1e-6, adagrad_init=0.5)
     assert sparse_optimizer_config(o) == SparseOptimizerConfig("rowwise_adagrad", 0.3, 1e-6, 0.5)
+
+
+def test_embedding_init_bound_reaches_every_table() -> None:
+    """model.embedding_init_bound is every table's init bound, on one process and in the sharded tables' configs
+    (built on meta, drawn per shard from the same TableConfig); 0 keeps the reference's 1/sqrt(rows)."""
+    bound = 1e-3
+    model = ModelConfig(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1], embedding_init_bound=bound)
+    small, ref = _build(False, model).embeddings, _build(False).embeddings
+    assert small.weight.abs().max() <= bound < ref.weight.abs().max()
+    assert all(t.init_bound == bound for t in _build(True, model).embeddings.tables)
+    assert all(t.init_bound == 0.0 for t in ref.tables)

@@ -130,7 +130,8 @@ def test_regularised_run_trains_and_evaluates(tiny_dataset: Path, tmp_path: Path
 
 
 @pytest.mark.parametrize("field", ["model.dropout=1.0", "model.dropout=-0.1", 'model.mlp_norm="group"',
-                                   "optim.sparse_weight_decay=-1.0", "optim.dense_weight_decay=inf"])
+                                   "optim.sparse_weight_decay=-1.0", "optim.dense_weight_decay=inf",
+                                   "model.embedding_init_bound=-0.1", "model.embedding_init_bound=inf"])
 def test_out_of_range_options_name_their_field(field: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(field.split("=")[0])):
         load_config(None, [field])
