@@ -30,6 +30,8 @@ Case -> test (``module::name`` under tests/), for every case of the hardening wo
     distributed/test_rank_faults.py::test_stopped_rank_fails_the_other_within_the_timeout
 - killed rank:
     distributed/test_dist_checkpoint.py::test_dead_rank_stops_the_others_with_a_clear_error
+- rank 0 stopped while it generates ``[data.synth]`` data (the others wait on its heartbeats):
+    distributed/test_rank_faults.py::test_ranks_wait_for_rank0_on_heartbeats
 - NCCL: its backend, ``dist.timeout_s`` and the watchdog setting (a unit test: no GPU here):
     distributed/test_device_placement.py::test_init_on_cuda_takes_nccl_with_the_timeout_on_every_group
 - different batch sizes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -112,25 +113,72 @@ def check_placements_and_data(dist_cfg: DistConfig, tables: list[TableConfig],
     check_agreement(facts, "sharding plan and data", dist_cfg.timeout_s)
 
 
-def on_rank0(generate: Callable[[], None], what: str) -> None:
+def on_rank0(generate: Callable[[], None], what: str, timeout_s: float) -> None:
     """Run ``generate`` on rank 0 only (every rank writing the same files would race); the other ranks wait for
-    it and stop with its error when it fails. The wait is on a group of its own without ``dist.timeout_s``: a
-    large set takes longer to generate than a collective may."""
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
-    error: Exception | None = None
-    if dist.get_rank() == 0:
-        try:
-            generate()
-        except Exception as e:  # re-raised below, after the other ranks have been told
-            error = e
-    status = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(status, src=0, group=group)
-    dist.destroy_process_group(group)
+    it and stop with its error when it fails. A large set takes longer to generate than a collective may last,
+    so rank 0 sends a heartbeat (a broadcast on a group of its own, every ``timeout_s`` / 4 seconds) while it
+    works: a waiting rank gives up with a PeerFailure once no heartbeat came for ``timeout_s`` (rank 0 stopped
+    or died), never later, however long a live rank 0 takes."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        if dist.get_rank() == 0:
+            _heartbeat_until_done(generate, group, timeout_s)
+            return
+        status = _wait_for_rank0(group, what, timeout_s)
+    finally:
+        dist.destroy_process_group(group)
+    if status is not None:
+        raise ValueError(f"rank 0 could not {what}: {status}")
+
+
+def _heartbeat_until_done(generate: Callable[[], None], group: Any, timeout_s: float) -> None:
+    """Rank 0: ``generate`` in this thread, heartbeats ("running") from another, then the outcome (None or the
+    error's text) to the waiting ranks. Re-raises the generator's error; a heartbeat or outcome that no longer
+    reaches a rank is a PeerFailure (that rank died meanwhile)."""
+    done, lost = threading.Event(), []
+
+    def beat() -> None:
+        while not done.wait(timeout_s / 4):
+            try:
+                dist.broadcast_object_list(["running"], src=0, group=group)
+            except (RuntimeError, dist.DistError) as e:
+                lost.append(e)
+                return
+
+    beater = threading.Thread(target=beat, name="recstack-rank0-heartbeat", daemon=True)
+    beater.start()
+    try:
+        generate()
+        error = None
+    except Exception as e:  # re-raised below, after the other ranks have been told
+        error = e
+    done.set()
+    beater.join()
+    try:
+        if lost:
+            raise lost[0]
+        dist.broadcast_object_list([None if error is None else f"{type(error).__name__}: {error}"], src=0,
+                                   group=group)
+    except (RuntimeError, dist.DistError) as e:
+        if error is not None:
+            raise error from e
+        raise PeerFailure(f"rank 0: a rank stopped answering while this one generated the data (dist.timeout_s="
+                          f"{timeout_s:g} s): {e}") from e
     if error is not None:
         raise error
-    if status[0] is not None:
-        raise ValueError(f"rank 0 could not {what}: {status[0]}")
 
+
+def _wait_for_rank0(group: Any, what: str, timeout_s: float) -> str | None:
+    """The other ranks: heartbeats until rank 0's outcome -> None (done) or the error's text."""
+    while True:
+        msg: list[Any] = [None]
+        try:
+            dist.broadcast_object_list(msg, src=0, group=group)
+        except (RuntimeError, dist.DistError) as e:
+            raise PeerFailure(f"rank {dist.get_rank()}: rank 0 stopped answering while it was to {what} (no "
+                              f"heartbeat within dist.timeout_s={timeout_s:g} s): {e}") from e
+        if msg[0] != "running":
+            return msg[0]
 
 
 def leave_job() -> None:

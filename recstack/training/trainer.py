@@ -10,6 +10,7 @@ which stops the run, reduces the learning rates and names the best checkpoint (k
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -139,8 +140,8 @@ class Trainer:
             keep = (f"the checkpoints in {self.output_dir / 'checkpoints'} trained on it, and --resume continues "
                     f"only on the data its checkpoint trained on: restore the options, or pass {NEW_DATA_FLAG} to "
                     "generate it again and continue on the new rows")
-        self.train_ds, self.eval_ds, eval_range = prepare_data(
-            cfg.data, self.output_dir, t.progress, agreement.on_rank0 if self.world > 1 else None, keep)
+        on_rank0 = functools.partial(agreement.on_rank0, timeout_s=cfg.dist.timeout_s) if self.world > 1 else None
+        self.train_ds, self.eval_ds, eval_range = prepare_data(cfg.data, self.output_dir, t.progress, on_rank0, keep)
         self.has_eval = eval_range[1] > eval_range[0]
         if not self.has_eval:
             why = (f"data.eval {self.eval_ds.path} has no rows" if self.eval_ds is not self.train_ds else

@@ -1,7 +1,7 @@
-"""Faults between ranks, in real gloo processes: a stopped rank makes the others fail with a PeerFailure within
-``dist.timeout_s`` (every process group has that timeout), and ranks started with different configs, shardings,
-data or world layouts stop at start-up with one error naming the first difference, before any training
-collective."""
+"""Faults between ranks, in real gloo processes: a stopped rank (also rank 0 while it generates the data) makes the
+others fail with a PeerFailure within ``dist.timeout_s`` (every process group has that timeout), and ranks started
+with different configs, shardings, data or world layouts stop at start-up with one error naming the first
+difference, before any training collective."""
 
 from __future__ import annotations
 
@@ -224,3 +224,62 @@ def test_leave_job_tears_every_group_down_together(tmp_path: Path) -> None:
     mp.spawn(_leave_worker, args=(2, str(tmp_path / "init2"), str(out), True), nprocs=2, join=True)
     assert out.read_text().startswith("PeerFailure rank 0: the other ranks did not finish"), out.read_text()
     assert time.time() - t0 < 60
+
+
+def _rank0_worker(rank: int, init_file: str, out: str, mode: str) -> None:
+    """Rank ``rank`` of 2 in ``on_rank0`` with dist.timeout_s = 2: rank 0's work takes 3 timeouts (``slow``),
+    fails (``fails``) or stops its process, heartbeat thread and all (``stops``) -> what rank 1 saw, in ``out``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from recstack.distributed.agreement import on_rank0
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=2))
+
+    def generate() -> None:
+        if mode == "stops":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(6)
+        if mode == "fails":
+            raise OSError("disk full")
+
+    t0 = time.time()
+    try:
+        on_rank0(generate, "generate the data", timeout_s=2)
+        seen = "done"
+    except Exception as e:
+        seen = f"{type(e).__name__}: {e}"
+    if rank == 1:
+        Path(out).write_text(json.dumps({"seen": seen, "waited": time.time() - t0}))
+    os._exit(0)  # (a rank whose peer stopped holds a broken group: skip its teardown, as the CLI does)
+
+
+@pytest.mark.parametrize("mode", ["slow", "fails", "stops"])
+def test_ranks_wait_for_rank0_on_heartbeats(tmp_path: Path, mode: str) -> None:
+    """While rank 0 generates [data.synth] data the others wait on its heartbeats: longer than dist.timeout_s
+    while it works, with its error when it fails, and a PeerFailure within dist.timeout_s when it stops."""
+    import multiprocessing
+
+    ctx, out = multiprocessing.get_context("spawn"), tmp_path / "seen.json"
+    procs = [ctx.Process(target=_rank0_worker, args=(r, str(tmp_path / "init"), str(out), mode)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        procs[1].join(timeout=60)
+        assert procs[1].exitcode == 0, "rank 1 did not finish"
+        seen = json.loads(out.read_text())
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    if mode == "slow":
+        assert seen["seen"] == "done" and seen["waited"] >= 6, seen
+    elif mode == "fails":
+        assert seen["seen"] == "ValueError: rank 0 could not generate the data: OSError: disk full", seen
+    else:
+        assert seen["seen"].startswith("PeerFailure: rank 1: rank 0 stopped answering while it was to generate "
+                                       "the data (no heartbeat within dist.timeout_s=2 s)"), seen
+        assert seen["waited"] < 2 + MARGIN_S, seen
