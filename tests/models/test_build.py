@@ -49,3 +49,8 @@ def test_embedding_init_bound_reaches_every_table() -> None:
     assert small.weight.abs().max() <= bound < ref.weight.abs().max()
     assert all(t.init_bound == bound for t in _build(True, model).embeddings.tables)
     assert all(t.init_bound == 0.0 for t in ref.tables)
+    qr = ModelConfig(embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1], embedding_init_bound=bound,
+                     qr_collisions=4, qr_threshold=10)  # every table split into quotient and remainder tables
+    split = _build(False, qr).embeddings
+    assert len(split.tables) == 6 and all(t.init_bound == bound for t in split.tables)
+    assert split.weight.abs().max() <= bound
