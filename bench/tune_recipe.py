@@ -10,8 +10,9 @@ stopping, else the last), mean [min, max] over the seeds, best first.
 A nested validation for MovieLens: round 2 screened every candidate on ``ml100k``'s validation window (80-90% of
 the ratings in time), scored the best ones again on ``ml100k_cut2``'s (60-70%) and kept the best mean over the two
 windows, so a choice must hold in two periods. Rounds 3 and 4 score every candidate on three windows, those two
-and ``ml1m_u20``'s (MovieLens-1M users, another source), and keep the best mean over the three;
-``ml1m_u20b`` (other MovieLens-1M users) stays untouched for judging:
+and ``ml1m_u20``'s (MovieLens-1M users, another source), and keep the best mean over the three; round 5 adds a
+fourth, ``ml1m_u20w``'s (returning users: each user's own ratings split in time). ``ml1m_u20b`` (other
+MovieLens-1M users) stays untouched for judging:
 
     python bench/tune_recipe.py --dataset ml100k --seeds 0 1 2 --round 2 \
         --out bench/results/tune_categorical_round2.json
@@ -91,13 +92,26 @@ ROUND4: dict[str, list[str]] = {
     "patience 5": ['train.early_stopping={metric="auc", patience=5}'],
     "emb L2 1e-3": ["optim.sparse_weight_decay=1e-3"],
 }
-# categorical.toml holds the latest winner (round 4's: dim 16 on round 3's init 1e-4), so each round's candidates
-# start from the recipe as it was then: REF_INIT puts the reference init back under rounds 2 and 3, DIM10 round
-# 2's dim under rounds 3 and 4 (and ROUND1 round 1's dim and embedding lr under round 2). Later overrides win.
-REF_INIT, DIM10 = [INIT(0.0)], ["model.embedding_dim=10"]
-ROUNDS = {2: {name: [*ROUND1, *REF_INIT, *sets] for name, sets in ROUND2.items()},
-          3: {name: [*DIM10, *REF_INIT, *sets] for name, sets in ROUND3.items()},
-          4: {name: [*DIM10, *sets] for name, sets in ROUND4.items()}}
+# Round 5, on top of round 4's winner, adds a fourth window of returning users:
+# ml1m_u20w (MovieLens-1M users with id % 20 == 5, each user's own ratings split 80/10/10 in time), where every
+# validation user has training rows; the three earlier windows are 75-85% users without any. Candidates that let
+# the embeddings of seen users fit more closely: lighter embedding L2, a larger embedding lr, a wider embedding.
+ROUND5: dict[str, list[str]] = {
+    "recipe": [],
+    "emb L2 1e-3": ["optim.sparse_weight_decay=1e-3"],
+    "emb lr 0.05": ["optim.sparse_lr=0.05"],
+    "dim 32": ["model.embedding_dim=32"],
+    "emb L2 1e-3 + emb lr 0.05": ["optim.sparse_weight_decay=1e-3", "optim.sparse_lr=0.05"],
+}
+# categorical.toml holds the latest winner (round 5's: embedding L2 1e-3 on round 4's dim 16 and round 3's init
+# 1e-4), so each round's candidates start from the recipe as it was then: REF_INIT puts the reference init back
+# under rounds 2 and 3, DIM10 round 2's dim under rounds 3 and 4, L2_3E3 round 1's embedding L2 under rounds 2-5
+# (and ROUND1 round 1's dim and embedding lr under round 2). Later overrides win.
+REF_INIT, DIM10, L2_3E3 = [INIT(0.0)], ["model.embedding_dim=10"], ["optim.sparse_weight_decay=3e-3"]
+ROUNDS = {2: {name: [*ROUND1, *REF_INIT, *L2_3E3, *sets] for name, sets in ROUND2.items()},
+          3: {name: [*DIM10, *REF_INIT, *L2_3E3, *sets] for name, sets in ROUND3.items()},
+          4: {name: [*DIM10, *L2_3E3, *sets] for name, sets in ROUND4.items()},
+          5: {name: [*L2_3E3, *sets] for name, sets in ROUND5.items()}}
 # On top of configs/recipes/criteo.toml (the DLRM reference's one epoch of SGD, made for 45M rows): early stopping
 # over up to 10 epochs, and the categorical recipe's optimizers (Adam for the MLPs, row-wise Adagrad with L2 for
 # the embeddings), for Criteo-layout data far smaller than Kaggle's.
