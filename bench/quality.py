@@ -22,7 +22,10 @@ feature processor (bench/quality_fuxictr.py, in FuxiCTR's own environment). recs
 the recipe's early stopping the best checkpoint by validation AUC is scored (``eval`` takes it), else the last.
 FuxiCTR runs with the BARS benchmark's published settings
 (see SETTINGS) and its own early stopping and best-model selection on the validation split. The test split
-decides nothing. Prints a Markdown table to stderr and JSON to stdout (and ``--out``):
+decides nothing. Against the FuxiCTR model with the better mean test AUC, each data set also gets the difference
+of the mean test AUCs with a 95% interval from a paired bootstrap over its test users (``paired_bootstrap.py``;
+both libraries' test predictions are saved for it): how much of a difference the test split can tell apart. Prints
+Markdown tables to stderr and JSON to stdout (and ``--out``):
 
     python bench/quality.py [--quick | --smoke] [--out bench/results/quality.json]
 """
@@ -279,9 +282,12 @@ def run_recstack(name: str, layout: str, train_rows: int, seed: int, work: Path,
     summary = json.loads((run / "summary.json").read_text())
     kept = summary.get("best") or summary  # the validation figures of the model that is scored
     test = json.loads(_recstack(["eval", "--checkpoint", str(run), "--data", str(data / "test")]))
+    # the same model's test probabilities in row order, for the paired bootstrap (compare_to_best_peer)
+    _recstack(["predict", "--checkpoint", str(run), "--data", str(data / "test"), "--out",
+               str(run / "test_pred.npy"), "--overwrite"])
     return {"model": "recstack DLRM", "seed": seed, "valid_auc": kept.get("auc"),
             "valid_logloss": kept.get("logloss"), "test_auc": test["auc"], "test_logloss": test["logloss"],
-            "wall_s": round(time.perf_counter() - t0, 2)}
+            "test_predictions": str(run / "test_pred.npy"), "wall_s": round(time.perf_counter() - t0, 2)}
 
 
 def run_fuxictr(name: str, layout: str, model: str, seeds: list[int], work: Path, python: str) -> tuple[list, float]:
@@ -322,6 +328,30 @@ def summarize(runs: list[dict]) -> dict:
             for m, rs in by_model.items()}
 
 
+def compare_to_best_peer(split_dir: Path, runs: list[dict], models: dict) -> dict:
+    """recstack against the peer model with the best mean test AUC (the target's "best of DLRM/DCNv2"): the
+    difference of the mean test AUCs with a 95% interval from a paired bootstrap over the test split's users
+    (``bench/paired_bootstrap.py``; rows where the split has no user column). Each run's saved test predictions
+    are checked to give the test AUC the run reported first, so a row-order mix-up cannot pass unnoticed."""
+    import numpy as np
+    from paired_bootstrap import auc, auc_difference
+
+    with open(split_dir / "test.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    labels = np.array([float(r["label"]) for r in rows])
+    groups = np.array([r["user_id"] for r in rows]) if rows and "user_id" in rows[0] else None
+    preds: dict[str, list] = {}
+    for r in runs:
+        p = np.load(r["test_predictions"]).reshape(-1)
+        if len(p) != len(labels) or abs(auc(p, labels) - r["test_auc"]) > 1e-4:
+            raise RuntimeError(f"{r['test_predictions']}: {len(p)} predictions whose AUC is not the run's test AUC "
+                               f"{r['test_auc']:.5f} on {split_dir / 'test.csv'} ({len(labels)} rows)")
+        preds.setdefault(r["model"], []).append(p)
+    peer = max((m for m in models if m != "recstack DLRM"), key=lambda m: models[m]["test_auc"]["mean"])
+    return {"peer": peer, "unit": "user" if groups is not None else "row",
+            **auc_difference(labels, groups, preds["recstack DLRM"], preds[peer])}
+
+
 def _fmt(s: dict | None, digits: int = 4) -> str:
     if s is None:
         return "n/a"
@@ -338,6 +368,12 @@ def table(result: dict) -> str:
         for model, m in ds["models"].items():
             lines.append(f"| {name} | {rows} | {model} | {_fmt(m['test_auc'])} | {_fmt(m['test_logloss'])} | "
                          f"{_fmt(m['valid_auc'])} | {m['wall_s']['mean']:.0f} |")
+    compared = {name: ds["vs_best_peer"] for name, ds in result["datasets"].items() if "vs_best_peer" in ds}
+    if compared:
+        lines += ["", "| data set | best peer | recstack - peer, mean test AUC | 95% interval | resampled |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {name} | {c['peer']} | {c['diff']:+.4f} | [{c['low']:+.4f}, {c['high']:+.4f}] | "
+                  f"{c['units']:,} {c['unit']}s |" for name, c in compared.items()]
     return "\n".join(lines)
 
 
@@ -381,6 +417,9 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"[quality] {name}: {json.dumps(r)}", file=sys.stderr, flush=True)
                 runs += fx
         ds["runs"], ds["models"] = runs, summarize(runs)
+        if fuxictr:
+            ds["vs_best_peer"] = compare_to_best_peer(args.work / name, runs, ds["models"])
+            print(f"[quality] {name}: {json.dumps(ds['vs_best_peer'])}", file=sys.stderr, flush=True)
         result["datasets"][name] = ds
         result["total_s"] = round(time.perf_counter() - t_all, 1)
         if args.out:  # after every data set: a long run stopped part-way keeps what it measured

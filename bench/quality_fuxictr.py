@@ -171,11 +171,16 @@ def run(model_name: str, settings: dict, params: dict, seed: int, work: Path) ->
     train_gen, valid_gen = RankDataLoader(feature_map, stage="train", **p)
     model.fit(train_gen, validation_data=valid_gen, **p)
     valid = model.evaluate(valid_gen)
-    test = model.evaluate(RankDataLoader(feature_map, stage="test", **p))
+    test_gen = RankDataLoader(feature_map, stage="test", **p)
+    test = model.evaluate(test_gen)
+    # The test rows' probabilities in file order (the test loader does not shuffle), for bench/quality.py's paired
+    # bootstrap of the AUC difference.
+    predictions = work / f"test_pred_{model_name}_{seed}.npy"
+    np.save(predictions, model.predict(test_gen))
     return {"model": model_name, "seed": seed, "epochs_run": model._epoch_index + 1,
             "valid_auc": float(valid["AUC"]), "valid_logloss": float(valid["logloss"]),
             "test_auc": float(test["AUC"]), "test_logloss": float(test["logloss"]),
-            "wall_s": round(time.perf_counter() - t0, 2)}
+            "test_predictions": str(predictions), "wall_s": round(time.perf_counter() - t0, 2)}
 
 
 def main() -> None:
