@@ -266,21 +266,27 @@ def _recstack(args: list[str]) -> str:
     return p.stdout
 
 
+def train_recipe(data: Path, run: Path, recipe: str, seed: int, sets: Sequence[str]) -> tuple[dict, dict]:
+    """``recstack train`` of ``recipe`` into ``run`` on the prepared ``data``/train, evaluated on ``data``/valid,
+    with ``sets`` (``--set`` overrides) on top -> (the run's summary.json, the validation figures of the model it
+    keeps: the best evaluation with early stopping, else the last)."""
+    args = ["train", "--output-dir", str(run), "--overwrite", "--config", str(ROOT / recipe)]
+    for s in [f"data.train={data / 'train'}", f"data.eval={data / 'valid'}", f"train.seed={seed}",
+              "train.progress=false", *sets]:
+        args += ["--set", s]
+    _recstack(args)
+    summary = json.loads((run / "summary.json").read_text())
+    return summary, summary.get("best") or summary
+
+
 def run_recstack(name: str, layout: str, train_rows: int, seed: int, work: Path, extra_set: Sequence[str] = ()
                   ) -> dict:
     """Train with the layout's recipe (an evaluation every half epoch of ``train_rows``), then score the
     checkpoint ``recstack eval`` picks (the best with early stopping, else the last) on the test split."""
     data, run = work / name / "recstack", work / name / f"run_recstack_{seed}"
     recipe = RECIPES["criteo" if layout == "criteo" else "categorical"]
-    args = ["train", "--output-dir", str(run), "--overwrite", "--config", str(ROOT / recipe)]
-    sets = [f"data.train={data / 'train'}", f"data.eval={data / 'valid'}", f"train.seed={seed}",
-            "train.progress=false", half_epoch_eval(recipe, train_rows, extra_set), *extra_set]
-    for s in sets:
-        args += ["--set", s]
     t0 = time.perf_counter()
-    _recstack(args)
-    summary = json.loads((run / "summary.json").read_text())
-    kept = summary.get("best") or summary  # the validation figures of the model that is scored
+    _, kept = train_recipe(data, run, recipe, seed, [half_epoch_eval(recipe, train_rows, extra_set), *extra_set])
     test = json.loads(_recstack(["eval", "--checkpoint", str(run), "--data", str(data / "test")]))
     # the same model's test probabilities in row order, for the paired bootstrap (compare_to_best_peer)
     _recstack(["predict", "--checkpoint", str(run), "--data", str(data / "test"), "--out",

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import ROOT, _recstack, _stat, half_epoch_eval, prepare  # noqa: E402
+from quality import ROOT, _stat, half_epoch_eval, prepare, train_recipe  # noqa: E402
 
 # The recipe each layout's candidates are applied to.
 BASES = {"categorical": "configs/recipes/categorical.toml", "criteo": "configs/recipes/criteo.toml"}
@@ -146,16 +146,9 @@ CRITEO_CANDIDATES: dict[str, list[str]] = {
 
 def train_valid(name: str, recipe: str, cand: str, sets: list[str], seed: int, work: Path, eval_set: str) -> dict:
     """One candidate, one seed: the validation metrics of the model the run keeps."""
-    data = work / name / "recstack"
     run = work / name / "tune" / f"{cand.replace(' ', '_').replace('+', '')}_{seed}"
-    args = ["train", "--output-dir", str(run), "--overwrite", "--config", str(ROOT / recipe)]
-    for s in [f"data.train={data / 'train'}", f"data.eval={data / 'valid'}", f"train.seed={seed}",
-              "train.progress=false", eval_set, *sets]:
-        args += ["--set", s]
     t0 = time.perf_counter()
-    _recstack(args)
-    summary = json.loads((run / "summary.json").read_text())
-    kept = summary.get("best") or summary
+    summary, kept = train_recipe(work / name / "recstack", run, recipe, seed, [eval_set, *sets])
     return {"seed": seed, "valid_auc": kept["auc"], "valid_logloss": kept["logloss"],
             "step": summary.get("best_step", summary.get("step")), "wall_s": round(time.perf_counter() - t0, 1)}
 
