@@ -172,8 +172,8 @@ class Trainer:
     def _parallelize(self) -> None:
         """Under torchrun, the tables sharded by the plan (or ``dist.sharding``) and the dense part in DDP; then,
         for any world size, the loaders' transforms, set once (``recstack.distributed.pipeline``): the
-        quotient-remainder split and the cached tiers' prefetch hook in the loader thread, and with
-        ``dist.pipeline`` the ids distributed there too."""
+        quotient-remainder split, the cached tiers' prefetch hook and (a GPU) the staging copy in the loader
+        thread, and with ``dist.pipeline`` the id messages built there (exchanged in this thread, a batch ahead)."""
         d = self.cfg.dist
         if self.world > 1:
             self._shard()

@@ -112,7 +112,8 @@ def test_init_on_cuda_takes_nccl_with_the_timeout_on_every_group(monkeypatch: py
     assert [backend for backend, _ in asked] == ["nccl"] and asked[0][1]["timeout"] == timeout
     assert devices == [torch.device("cuda", 0)]
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == (preset or "3")
-    assert len(new_groups) == 4 and all(g.get("timeout") == timeout for g in new_groups), new_groups
+    # ids, pooled outputs, replicated tables
+    assert len(new_groups) == 3 and all(g.get("timeout") == timeout for g in new_groups), new_groups
 
 
 class _OnDevice:
@@ -154,18 +155,28 @@ def test_rng_state_restores_from_a_checkpoint_loaded_onto_the_gpu() -> None:
 
 
 def _recording_pipeline(tmp_path: Path, device: torch.device):  # type: ignore[no-untyped-def]
-    """An InputPipeline over a one-rank sharded collection whose ``input_dist`` records where it was called
-    (the device of the ids, the thread's current CUDA device), and a list of the batches split."""
+    """An InputPipeline over a one-rank sharded collection whose ``prepare_input`` records where it was called
+    (the device of the ids, the thread's current CUDA device, the thread) and whose ``exchange_input`` records
+    its thread, and a list of the batches split."""
+    import threading
+
+    from recstack.distributed.input_dist import PreparedInput, RoutedIds
     from recstack.distributed.pipeline import InputPipeline
-    from recstack.distributed.sharded_collection import RoutedIds, ShardedEmbeddingCollection
+    from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 
     class Recording(ShardedEmbeddingCollection):
         seen: list[tuple[str, int | None]] = []
+        threads: list[tuple[str, str]] = []
 
-        def input_dist(self, sparse: SparseFeatures, group: dist.ProcessGroup | None = None) -> RoutedIds:
+        def prepare_input(self, sparse: SparseFeatures) -> PreparedInput:
             current = torch.cuda.current_device() if torch.cuda.is_available() else None
             self.seen.append((str(sparse.ids.device), current))
-            return RoutedIds(sparse.ids, [sparse.batch_size], [], [], None)
+            self.threads.append(("prepare", threading.current_thread().name))
+            return PreparedInput(sparse.ids, [], None, [])
+
+        def exchange_input(self, prep: PreparedInput) -> RoutedIds:
+            self.threads.append(("exchange", threading.current_thread().name))
+            return RoutedIds(prep.ids, [1], [], [], None)
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     emb = Recording(TABLES[:2], SparseOptimizerConfig("sgd"), [("table_wise", [0])] * 2, device="meta")
@@ -190,16 +201,27 @@ def _batch():  # type: ignore[no-untyped-def]
     return Batch(torch.zeros(2, 1), SparseFeatures.from_dense_ids(torch.tensor([[1, 2], [0, 1]])), torch.zeros(2))
 
 
-def test_pipelined_input_routes_the_split_batch_on_the_device(tmp_path: Path) -> None:
-    """The loader thread moves the batch to the device, splits it and distributes its ids there; the main thread
-    hands the routed ids to the collection with the batch, once."""
+def test_pipelined_input_prepares_in_the_loader_thread_and_exchanges_in_the_training_thread(
+    tmp_path: Path,
+) -> None:
+    """The loader thread splits the batch, moves it to the device and builds its messages there, with no
+    collective; the training thread runs the exchange of each batch a batch ahead and hands its routed ids to the
+    collection as it yields it, once."""
     pipe, emb, split = _recording_pipeline(tmp_path, torch.device("meta"))
     try:
-        out = _in_thread(pipe.train_transform, _batch())
-        assert len(split) == 1 and split[0] is out and out.sparse.ids.device.type == "meta"
-        assert [d for d, _ in emb.seen] == ["meta"]
-        assert list(pipe.batches([out])) == [out] and emb._routed is not None and emb._routed.ids is out.sparse.ids
-        with pytest.raises(RuntimeError, match="without its routed ids"):  # a batch the thread did not route
+        first, second = (_in_thread(pipe.train_transform, _batch()) for _ in range(2))
+        assert [b.sparse.ids.device.type for b in split] == ["cpu", "cpu"]  # split on the host ids
+        assert first.sparse.ids.device.type == "meta" and [d for d, _ in emb.seen] == ["meta", "meta"]
+        it = pipe.batches([first, second])
+        assert next(it) is first
+        # both exchanged (the second a batch ahead) by this thread before the first was yielded
+        assert [t for t in emb.threads if t[0] == "exchange"] == [("exchange", "MainThread")] * 2
+        assert all(name != "MainThread" for kind, name in emb.threads if kind == "prepare")
+        assert emb._routed is not None and emb._routed.ids is first.sparse.ids
+        emb._routed = None  # what the first batch's forward does
+        assert next(it) is second and emb._routed.ids is second.sparse.ids
+        emb._routed = None
+        with pytest.raises(RuntimeError, match="did not stage"):  # a batch the loader's thread did not stage
             list(pipe.batches([_batch()]))
     finally:
         dist.destroy_process_group()
