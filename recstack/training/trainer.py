@@ -77,7 +77,7 @@ class Trainer:
         seed_everything(t.seed)
         self.rank, self.world, self.device = 0, 1, resolve_device(t.device)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun
-            self.rank, self.world, self.device = parallelize.init_distributed(cfg.dist.timeout_s)
+            self.rank, self.world, self.device = parallelize.init_distributed(cfg.dist, t.device)
         self.is_main = self.rank == 0
         self.output_dir = Path(output_dir) if output_dir else None
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:

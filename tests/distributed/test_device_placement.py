@@ -95,11 +95,12 @@ def test_init_on_cuda_takes_nccl_with_the_timeout_on_every_group(monkeypatch: py
     for name in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
         monkeypatch.delenv(name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     monkeypatch.setattr(dist, "new_group", new_group)
     try:
-        assert parallelize.init_distributed(cfg.timeout_s) == (0, 1, torch.device("cuda", 0))
+        assert parallelize.init_distributed(cfg) == (0, 1, torch.device("cuda", 0))
         from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 
         ShardedEmbeddingCollection(TABLES, SparseOptimizerConfig("rowwise_adagrad"),
@@ -255,3 +256,30 @@ def test_tiered_prefetch_thread_runs_on_the_collections_gpu() -> None:
         assert tc._pool is not None and tc._pool.submit(torch.cuda.current_device).result() == 1
     finally:
         tc.close()
+
+
+@pytest.mark.parametrize("gpus,local_world,name,asked,want", [
+    (0, 2, "auto", "auto", ("cpu", "gloo")),
+    (2, 2, "auto", "auto", ("cuda:1", "nccl")),  # a GPU per rank
+    (1, 2, "auto", "auto", ("cuda:0", "gloo")),  # two ranks share the GPU: NCCL would refuse
+    (1, 2, "cuda", "gloo", ("cuda:0", "gloo")),
+    (2, 2, "cuda:0", "auto", ("cuda:0", "gloo")),  # every rank on cuda:0
+    (2, 2, "cpu", "auto", ("cpu", "gloo")),
+    (1, 2, "auto", "nccl", 'dist.backend = "nccl": the 2 ranks of this node share 1 GPU'),
+    (0, 2, "auto", "nccl", 'dist.backend = "nccl": needs a CUDA device'),
+])
+def test_dist_backend_and_the_ranks_device(monkeypatch: pytest.MonkeyPatch, gpus: int, local_world: int,
+                                           name: str, asked: str, want: tuple[str, str] | str) -> None:
+    """``dist.backend`` and ``train.device`` under torchrun, rank 1 of a node of ``local_world`` ranks and
+    ``gpus`` GPUs (stand-ins: the device count is all the choice reads)."""
+    from recstack.distributed.parallelize import choose_backend, rank_device
+    from recstack.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    device = rank_device(name, local_rank=1)
+    if isinstance(want, str):
+        with pytest.raises(ConfigError, match=want.replace("(", r"\(")):
+            choose_backend(asked, device, name, local_world)
+        return
+    assert (str(device), choose_backend(asked, device, name, local_world)) == want
