@@ -5,6 +5,7 @@ Used by ``Trainer`` and by the ExFM streams (``recstack.exfm``), which run their
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 from collections.abc import Callable
@@ -23,6 +24,21 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def set_tf32(enabled: bool) -> None:
+    """``train.tf32``: float32 matrix products and cuDNN convolutions on TF32 tensor cores (CUDA only; the
+    CPU's kernels are unaffected). Process-wide, as torch's switches are."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def dense_autocast(device: torch.device, mode: str) -> contextlib.AbstractContextManager:
+    """``train.autocast``: "bf16" -> torch.autocast to bfloat16 on ``device``'s type (its matrix products run in
+    bf16, everything else as it is); "none" -> a context that does nothing."""
+    if mode == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def seed_everything(seed: int) -> None:

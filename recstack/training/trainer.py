@@ -60,7 +60,15 @@ from recstack.training.evaluate import (
 )
 from recstack.training.logger import MetricsLogger
 from recstack.training.lr_schedule import LRScaler, LRSchedule
-from recstack.training.step import Progress, build_dense_optimizer, optimizer_step, resolve_device, seed_everything
+from recstack.training.step import (
+    Progress,
+    build_dense_optimizer,
+    dense_autocast,
+    optimizer_step,
+    resolve_device,
+    seed_everything,
+    set_tf32,
+)
 
 
 class Trainer:
@@ -75,6 +83,7 @@ class Trainer:
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         seed_everything(t.seed)
+        set_tf32(t.tf32)
         self.rank, self.world, self.device = 0, 1, resolve_device(t.device)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun
             self.rank, self.world, self.device = parallelize.init_distributed(cfg.dist, t.device)
@@ -245,7 +254,9 @@ class Trainer:
         """The mean BCE over the global batch's rows. Every rank's loss is averaged over the ranks (DDP for the
         dense part, 1/W in the tables' backward), so a rank whose share of a short global batch of G rows differs
         from G / W (or is empty) weighs its sum by W / G instead of taking its own mean."""
-        logits, g = self.net(batch), batch.global_rows
+        with dense_autocast(self.device, self.cfg.train.autocast):
+            logits = self.net(batch).float()  # the loss in fp32 also under bf16 autocast
+        g = batch.global_rows
         if g is None or g == batch.batch_size * self.world:
             return F.binary_cross_entropy_with_logits(logits, batch.labels)
         return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * (self.world / g)
