@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from recstack.data.batch import Batch
+from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.distributed.input_dist import PreparedInput, RoutedIds
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.models.dlrm import DLRM
@@ -124,10 +125,12 @@ class InputPipeline:
                 t.record_stream(current)
         return staged.prepared
 
-    def batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+    def batches(self, batches: Iterable[Batch], loader: BatchLoader | None = None) -> Iterator[Batch]:
         """The training batches of a loader whose transform is ``train_transform``, in order. Pipelined, the id
         all-to-all of batch n + 1 runs (here, in the training thread) before batch n is yielded, and batch n's
-        routed ids go to the collection as it is yielded (its forward follows)."""
+        routed ids go to the collection as it is yielded (its forward follows). Reading batch n + 1 moved
+        ``loader``'s position past it; while batch n is out, the position is put back to just after batch n,
+        so a checkpoint written after its step resumes with batch n + 1 (the next read sets it again)."""
         if not self.stages:
             yield from batches
             return
@@ -138,19 +141,27 @@ class InputPipeline:
             return
         sharded = self._sharded
         assert sharded is not None
-        ahead: tuple[Batch, RoutedIds] | None = None
+        ahead: tuple[Batch, RoutedIds, LoaderPosition | None] | None = None
         for batch in batches:
+            after = loader.position if loader is not None else None  # the position just after this batch
             prepared = self._take(batch)
             assert prepared is not None
             routed = sharded.exchange_input(prepared)
             sharded.announce(routed)  # cached-tier shards start fetching this batch's rows early
             if ahead is not None:
-                sharded.use_routed(ahead[1])
-                yield ahead[0]
-            ahead = (batch, routed)
+                yield self._hand_over(ahead, loader)
+            ahead = (batch, routed, after)
         if ahead is not None:
-            sharded.use_routed(ahead[1])
-            yield ahead[0]
+            yield self._hand_over(ahead, loader)
+
+    def _hand_over(self, ahead: tuple[Batch, RoutedIds, LoaderPosition | None],
+                   loader: BatchLoader | None) -> Batch:
+        batch, routed, after = ahead
+        if loader is not None and after is not None:
+            loader.position = after
+        assert self._sharded is not None
+        self._sharded.use_routed(routed)
+        return batch
 
 
 def _tensors(batch: Batch, prepared: PreparedInput | None) -> list[torch.Tensor]:

@@ -285,7 +285,7 @@ class Trainer:
         m = self.monitor
         while p.step < self.total_steps and reached is None and p.target_step is None and m.stopped_step is None:
             epoch = self.train_loader.iterate_epoch(limit=self.total_steps - p.step)
-            for batch in self.input_pipeline.batches(epoch):
+            for batch in self.input_pipeline.batches(epoch, self.train_loader):
                 self.compression.begin_step(p.step)
                 lr_factor = self.lr.set_step(p.step) if self.lr is not None else None
                 started = time.perf_counter()

@@ -207,20 +207,28 @@ def test_pipelined_input_prepares_in_the_loader_thread_and_exchanges_in_the_trai
 ) -> None:
     """The loader thread splits the batch, moves it to the device and builds its messages there, with no
     collective; the training thread runs the exchange of each batch a batch ahead and hands its routed ids to the
-    collection as it yields it, once."""
+    collection as it yields it, once, with the loader's position just after it."""
     pipe, emb, split = _recording_pipeline(tmp_path, torch.device("meta"))
     try:
         first, second = (_in_thread(pipe.train_transform, _batch()) for _ in range(2))
         assert [b.sparse.ids.device.type for b in split] == ["cpu", "cpu"]  # split on the host ids
         assert first.sparse.ids.device.type == "meta" and [d for d, _ in emb.seen] == ["meta", "meta"]
-        it = pipe.batches([first, second])
-        assert next(it) is first
+        loader = SimpleNamespace(position=0)  # the loader's position: batches read so far
+
+        def read(batches):  # type: ignore[no-untyped-def]
+            for i, b in enumerate(batches):
+                loader.position = i + 1
+                yield b
+
+        it = pipe.batches(read([first, second]), loader)  # type: ignore[arg-type]
+        # the second batch was read ahead, but a checkpoint after the first's step resumes with the second
+        assert next(it) is first and loader.position == 1
         # both exchanged (the second a batch ahead) by this thread before the first was yielded
         assert [t for t in emb.threads if t[0] == "exchange"] == [("exchange", "MainThread")] * 2
         assert all(name != "MainThread" for kind, name in emb.threads if kind == "prepare")
         assert emb._routed is not None and emb._routed.ids is first.sparse.ids
         emb._routed = None  # what the first batch's forward does
-        assert next(it) is second and emb._routed.ids is second.sparse.ids
+        assert next(it) is second and emb._routed.ids is second.sparse.ids and loader.position == 2
         emb._routed = None
         with pytest.raises(RuntimeError, match="did not stage"):  # a batch the loader's thread did not stage
             list(pipe.batches([_batch()]))
