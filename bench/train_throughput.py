@@ -124,7 +124,8 @@ def make_data(sizes: list[int], batch: int, num_batches: int, seed: int) -> list
 class DenseFloor:
     """recstack's MLPs and interaction (copies) trained on ready-made embeddings: the cost of the dense part."""
 
-    def __init__(self, model: torch.nn.Module, batch: int, num_features: int, dim: int, seed: int) -> None:
+    def __init__(self, model: torch.nn.Module, batch: int, num_features: int, dim: int, seed: int,
+                 device: torch.device | str = "cpu") -> None:
         self.bottom = copy.deepcopy(model.bottom)
         self.interaction = copy.deepcopy(model.interaction)
         self.top = copy.deepcopy(model.top)
@@ -132,7 +133,8 @@ class DenseFloor:
         self.optimizer = torch.optim.SGD(params, lr=LR)
         gen = torch.Generator().manual_seed(seed)
         self.emb = [
-            (torch.randn(batch, num_features, dim, generator=gen) * 0.05).requires_grad_() for _ in range(4)
+            (torch.randn(batch, num_features, dim, generator=gen) * 0.05).to(device).requires_grad_()
+            for _ in range(4)
         ]  # [B, F, D] leaves, so backward reaches the embedding input as in the full models
 
     def step(self, i: int, dense: torch.Tensor, labels: torch.Tensor) -> float:
