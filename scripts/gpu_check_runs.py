@@ -37,6 +37,8 @@ def _data(work: Path) -> Path:
 
 
 def _start(args: list[str], log: Path, launcher: list[str] = RECSTACK) -> subprocess.Popen:
+    """``recstack ARGS`` started with ``launcher``, its output to ``log``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
     f = open(log, "w")  # noqa: SIM115 (closed with the process: see _wait)
     proc = subprocess.Popen([*launcher, *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     proc.log = f  # type: ignore[attr-defined]
@@ -185,7 +187,7 @@ def _syncs(fn: Any, dev: torch.device) -> int | None:
     return sum("synchroniz" in str(w.message) for w in seen)
 
 
-def _throughput_at(batch: int, dev: torch.device, timed: int, work: Path) -> dict[str, Any]:
+def _throughput_at(batch: int, dev: torch.device, timed: int, max_rows: int, work: Path) -> dict[str, Any]:
     """bench/train_throughput.py's three models at ``batch`` on ``dev``, TF32 off then on: samples/s, step ms
     and (a GPU) peak memory per kind; host syncs of one recstack step."""
     import tempfile
@@ -197,9 +199,9 @@ def _throughput_at(batch: int, dev: torch.device, timed: int, work: Path) -> dic
     from recstack.training.step import set_tf32
 
     cuda = dev.type == "cuda"
-    sizes = capped_table_sizes(KAGGLE_CARDINALITIES, 1_000_000)
+    sizes = capped_table_sizes(KAGGLE_CARDINALITIES, max_rows)
     cfg = kaggle_config()
-    cfg.train.batch_size, cfg.train.device = batch, str(dev)
+    cfg.train.batch_size, cfg.train.device, cfg.model.max_table_size = batch, str(dev), max_rows
     with tempfile.TemporaryDirectory(prefix="gpu_check_tp_", dir=work) as tmp:
         trainer = bench_trainer(cfg, KAGGLE_CARDINALITIES, Path(tmp) / "data")
     torch.manual_seed(0)
@@ -222,7 +224,7 @@ def _throughput_at(batch: int, dev: torch.device, timed: int, work: Path) -> dic
     for tf32 in (False, True):
         set_tf32(tf32)
         for kind in ("recstack", "baseline", "floor"):
-            for i in range(2):  # warm-up
+            for i in range(2 if cuda else 1):  # warm-up
                 step(kind, i)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -241,19 +243,21 @@ def _throughput_at(batch: int, dev: torch.device, timed: int, work: Path) -> dic
 
 
 def step_throughput(a: argparse.Namespace) -> dict[str, Any]:
-    """Training samples/s at batch 2048 and 16384 of the Criteo Kaggle DLRM (bench/train_throughput.py's
+    """Training samples/s at batch 2048 and 16384 (the rehearsal: 256 and 2048) of the Criteo Kaggle DLRM (bench/train_throughput.py's
     models: recstack's Trainer step, the per-table baseline, the dense floor, in this process), TF32 off and
     on; host syncs per recstack step and peak device memory per kind."""
     dev = device_of(a.device)
     cuda = dev.type == "cuda"
-    timed = 10 if cuda else 1  # steps per timing; the CPU rehearsal only shows the steps run
+    # the CPU rehearsal only shows that the steps run: batches / 8, tables capped at 10k rows, 1 timed step
+    timed, max_rows, batches = (10, 1_000_000, (2048, 16384)) if cuda else (1, 10_000, (256, 2048))
     out: dict[str, Any] = {}
-    for batch in (2048, 16384):
-        out[f"batch_{batch}"] = _throughput_at(batch, dev, timed, a.work)
+    for batch in batches:
+        out[f"batch_{batch}"] = _throughput_at(batch, dev, timed, max_rows, a.work)
         if cuda:
             torch.cuda.empty_cache()
     ok = all(r["samples_per_s"] > 0 for row in out.values() for r in row.values() if isinstance(r, dict))
-    return {"ok": ok, "timed_steps": timed, "timer": "cuda events" if cuda else "perf_counter", **out}
+    timer = "cuda events" if cuda else "perf_counter"
+    return {"ok": ok, "timed_steps": timed, "max_rows": max_rows, "timer": timer, **out}
 
 
 RUN_STEPS = {"two_ranks": step_two_ranks, "tiers": step_tiers, "serve": step_serve, "throughput": step_throughput}

@@ -138,9 +138,32 @@ def test_rng_state_restores_from_device_tensors() -> None:
     want = _draws()
     state["numpy"][1] = _OnDevice(state["numpy"][1])
     state["torch"] = _OnDevice(state["torch"])
-    state.pop("cuda", None)
+    state.pop("cuda_device", None)
     set_rng_state(state)
     assert _draws() == want
+
+
+@pytest.mark.parametrize("here,saved,want", [(0, "cuda_device", "own"), (1, 8, 1), (3, 2, None)])
+def test_rng_state_resumes_on_its_own_device_with_fewer_gpus(monkeypatch: pytest.MonkeyPatch, here: int,
+                                                             saved: str | int, want: str | int | None) -> None:
+    """A rank restores the CUDA generator of its own device only: from this version's one state, or from an
+    older checkpoint's state of every device the saving run saw, also when this run sees fewer (stand-ins
+    for CUDA: the calls are recorded)."""
+    state = {k: v for k, v in rng_state().items() if not k.startswith("cuda")}
+    restored: list[torch.Tensor] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: here)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("every device's state set"))
+    if saved == "cuda_device":
+        state["cuda_device"] = torch.full((4,), 7, dtype=torch.uint8)
+    else:
+        state["cuda"] = [torch.full((4,), i, dtype=torch.uint8) for i in range(int(saved))]
+    set_rng_state(state)
+    if want is None:
+        assert restored == []  # the saving run had no state for this device: the generator stays as seeded
+    else:
+        assert len(restored) == 1 and int(restored[0][0]) == (7 if want == "own" else want)
 
 
 @needs_cuda
