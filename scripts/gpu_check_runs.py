@@ -243,9 +243,9 @@ def _throughput_at(batch: int, dev: torch.device, timed: int, max_rows: int, wor
 
 
 def step_throughput(a: argparse.Namespace) -> dict[str, Any]:
-    """Training samples/s at batch 2048 and 16384 (the rehearsal: 256 and 2048) of the Criteo Kaggle DLRM (bench/train_throughput.py's
-    models: recstack's Trainer step, the per-table baseline, the dense floor, in this process), TF32 off and
-    on; host syncs per recstack step and peak device memory per kind."""
+    """Training samples/s at batch 2048 and 16384 (the rehearsal: 256 and 2048) of the Criteo Kaggle DLRM
+    (bench/train_throughput.py's models: recstack's Trainer step, the per-table baseline, the dense floor, in
+    this process), TF32 off and on; host syncs per recstack step and peak device memory per kind."""
     dev = device_of(a.device)
     cuda = dev.type == "cuda"
     # the CPU rehearsal only shows that the steps run: batches / 8, tables capped at 10k rows, 1 timed step
