@@ -3,11 +3,11 @@
     python3 scripts/gpu_check.py STEP --device cuda|cpu --work DIR --out DIR
 
 Each step appends one JSON line ``{"step": STEP, "status": "pass" | "fail", ...numbers}`` to
-``OUT/results.jsonl`` (``result_line``); what it makes (data, runs, artifacts, logs) stays under ``--work``.
-With ``--device cpu`` every step runs the same code and the same assertions on the CPU (the rehearsal): the
-CPU-against-device comparisons then compare the CPU with itself, and CUDA-only numbers (syncs, GPU memory)
-are null. The steps of training runs and serving are in ``gpu_check_runs.py``; docs/gpu.md says what each
-step proves.
+``OUT/results.jsonl`` (``result_line``); what it makes (data, runs, artifacts, logs) stays under
+``--work``. With ``--device cpu`` every step runs the same code and the same assertions on the CPU
+(the rehearsal): the CPU-against-device comparisons then compare the CPU with itself, and CUDA-only
+numbers (syncs, GPU memory) are null. The steps of training runs and serving are in
+``gpu_check_runs.py``; docs/gpu.md says what each step proves.
 """
 
 from __future__ import annotations
@@ -33,14 +33,19 @@ if TYPE_CHECKING:
 
 MAX_OUT_FILES = 8  # what comes back from a device machine's $OUT
 # The tests that need CUDA (they skip without it; on the CPU the rest of each file runs).
-CUDA_TESTS = ["tests/distributed/test_device_placement.py", "tests/training/test_fused_optimizer.py",
-              "tests/serving/test_program_device.py", "tests/training/test_precision.py"]
-STEP_BOUND = 1e-4  # CPU against device: max |difference| of losses, weights and decoded payloads (fp32 math)
+CUDA_TESTS = [
+    "tests/distributed/test_device_placement.py",
+    "tests/training/test_fused_optimizer.py",
+    "tests/serving/test_program_device.py",
+    "tests/training/test_precision.py",
+]
+# CPU against device: max |difference| of losses, weights and decoded payloads (fp32 math)
+STEP_BOUND = 1e-4
 
 
 def result_line(out: Path, step: str, ok: bool, **numbers: Any) -> dict[str, Any]:
-    """Append ``{"step", "status", ...numbers}`` as one line to ``out/results.jsonl`` (the only file a step
-    writes to ``out``) -> the record. Floats are rounded to 6 significant digits."""
+    """Append ``{"step", "status", ...numbers}`` as one line to ``out/results.jsonl`` (the only
+    file a step writes to ``out``) -> the record. Floats are rounded to 6 significant digits."""
     rec = {"step": step, "status": "pass" if ok else "fail"}
     rec.update({k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in numbers.items()})
     with open(out / "results.jsonl", "a") as f:
@@ -62,15 +67,19 @@ def device_of(name: str) -> torch.device:
 
 
 class Timer:
-    """Seconds of device work between ``start`` and ``stop``: CUDA events on a GPU (``perf_counter`` around
-    asynchronous work would measure launches), the wall clock on the CPU."""
+    """Seconds of device work between ``start`` and ``stop``: CUDA events on a GPU
+    (``perf_counter`` around asynchronous work would measure launches), the wall clock on the CPU.
+    """
 
     def __init__(self, device: torch.device) -> None:
         import torch
 
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.a, self.b = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
 
     def start(self) -> None:
         if self.cuda:
@@ -90,7 +99,7 @@ class Timer:
         return time.perf_counter() - self.t0
 
 
-# -- steps ---------------------------------------------------------------------------------------------------
+# -- steps ------------------------------------------------------------------------------------
 def step_env(a: argparse.Namespace) -> dict[str, Any]:
     """The machine: Python, torch, the device, the C extension, the carried packages."""
     import torch
@@ -104,16 +113,32 @@ def step_env(a: argparse.Namespace) -> dict[str, Any]:
         except ImportError:
             mods[name] = None
     dev = device_of(a.device)
-    info = {"python": platform.python_version(), "torch": torch.__version__, "device": str(dev),
-            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
-            "c_extension": native.available(), "packages": mods}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev)
+        if dev.type == "cuda"
+        else platform.processor(),
+        "c_extension": native.available(),
+        "packages": mods,
+    }
     return {"ok": all(v is not None for v in mods.values()), **info}
 
 
 def step_cuda_tests(a: argparse.Namespace) -> dict[str, Any]:
     """The tests that need CUDA, with pytest (the rest of their files too)."""
     xml = a.work / "cuda_tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *CUDA_TESTS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={xml}",
+        *CUDA_TESTS,
+    ]
     log = a.work / "cuda_tests.log"
     with open(log, "w") as f:
         rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
@@ -124,7 +149,7 @@ def step_cuda_tests(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _embedding_update(dev: torch.device, steps: int = 5) -> torch.Tensor:
-    """A fused collection (row-wise Adagrad) after ``steps`` updates of the same ids and gradients."""
+    """A fused collection (row-wise Adagrad) after ``steps`` updates of fixed ids and gradients."""
     import torch
 
     from recstack.data.batch import SparseFeatures
@@ -134,7 +159,9 @@ def _embedding_update(dev: torch.device, steps: int = 5) -> torch.Tensor:
 
     tables = [TableConfig("a", 1000, 16, (0,)), TableConfig("b", 50, 16, (1,))]
     torch.manual_seed(0)
-    coll = FusedEmbeddingBagCollection(tables, SparseOptimizerConfig("rowwise_adagrad", 0.1), device=dev)
+    coll = FusedEmbeddingBagCollection(
+        tables, SparseOptimizerConfig("rowwise_adagrad", 0.1), device=dev
+    )
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         ids = torch.stack([torch.randint(0, n, (256,), generator=gen) for n in (1000, 50)], 1)
@@ -145,7 +172,7 @@ def _embedding_update(dev: torch.device, steps: int = 5) -> torch.Tensor:
 
 
 def _codec_payloads(dev: torch.device) -> dict[str, tuple[float, float]]:
-    """Every codec: (fraction of payload bytes equal to the CPU's, max |decoded - CPU's decoded|)."""
+    """Every codec: (fraction of payload bytes equal to the CPU's, max |decoded - CPU decoded|)."""
     from typing import get_args
 
     import torch
@@ -159,7 +186,11 @@ def _codec_payloads(dev: torch.device) -> dict[str, tuple[float, float]]:
         codec = get_codec(name)
         ref, got = codec.encode(x), codec.encode(x.to(dev))
         same = float((ref == got.cpu()).float().mean()) if ref.numel() == got.numel() else 0.0
-        diff = float((codec.decode(ref, tuple(x.shape)) - codec.decode(got, tuple(x.shape)).cpu()).abs().max())
+        diff = float(
+            (codec.decode(ref, tuple(x.shape)) - codec.decode(got, tuple(x.shape)).cpu())
+            .abs()
+            .max()
+        )
         out[name] = (same, diff)
     return out
 
@@ -179,14 +210,19 @@ def _model_losses(dev: torch.device, steps: int = 20) -> list[float]:
     cfg.optim.dense, cfg.optim.dense_lr = "adam", 0.01
     sizes = [50, 300, 7, 1000]
     torch.manual_seed(0)  # the dense layers draw from the global generator
-    model = build_model(cfg.model, sparse_optimizer_config(cfg.optim), 13, sizes, seed=0, device=dev)
+    model = build_model(
+        cfg.model, sparse_optimizer_config(cfg.optim), 13, sizes, seed=0, device=dev
+    )
     opt = build_dense_optimizer(cfg.optim, model.dense_parameters())
     gen = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(steps):
         ids = torch.stack([torch.randint(0, n, (512,), generator=gen) for n in sizes], 1)
-        batch = Batch(torch.rand(512, 13, generator=gen), SparseFeatures.from_dense_ids(ids),
-                      (torch.rand(512, generator=gen) < 0.3).float())
+        batch = Batch(
+            torch.rand(512, 13, generator=gen),
+            SparseFeatures.from_dense_ids(ids),
+            (torch.rand(512, generator=gen) < 0.3).float(),
+        )
 
         def loss_fn(b: Batch) -> torch.Tensor:
             return torch.nn.functional.binary_cross_entropy_with_logits(model(b), b.labels)
@@ -196,7 +232,8 @@ def _model_losses(dev: torch.device, steps: int = 20) -> list[float]:
 
 
 def step_parity(a: argparse.Namespace) -> dict[str, Any]:
-    """CPU against the device (TF32 off): the embedding update, every codec's payload, a model's loss trace."""
+    """CPU against the device (TF32 off): the embedding update, every codec's payload, a model's
+    loss trace."""
     import numpy as np
     import torch
 
@@ -212,13 +249,21 @@ def step_parity(a: argparse.Namespace) -> dict[str, Any]:
     dev_losses = cpu_losses if same else _model_losses(dev)
     loss = float(np.abs(np.array(cpu_losses) - np.array(dev_losses)).max())
     codec_ok = all(d <= STEP_BOUND for _, d in codecs.values())
-    return {"ok": emb <= STEP_BOUND and loss <= STEP_BOUND and codec_ok, "bound": STEP_BOUND,
-            "embedding_update_max_diff": emb, "loss_trace_max_diff": loss, "final_loss": dev_losses[-1],
-            "codecs": {k: {"bytes_equal": round(s, 4), "decoded_max_diff": float(f"{d:.3g}")}
-                       for k, (s, d) in codecs.items()}}
+    return {
+        "ok": emb <= STEP_BOUND and loss <= STEP_BOUND and codec_ok,
+        "bound": STEP_BOUND,
+        "embedding_update_max_diff": emb,
+        "loss_trace_max_diff": loss,
+        "final_loss": dev_losses[-1],
+        "codecs": {
+            k: {"bytes_equal": round(s, 4), "decoded_max_diff": float(f"{d:.3g}")}
+            for k, (s, d) in codecs.items()
+        },
+    }
 
 
-STEPS = ("env", "parity", "cuda_tests", "two_ranks", "tiers", "serve", "throughput")  # gpu_check.sh's order
+# gpu_check.sh's order
+STEPS = ("env", "parity", "cuda_tests", "two_ranks", "tiers", "serve", "throughput")
 
 
 def steps() -> dict[str, Callable[[argparse.Namespace], dict[str, Any]]]:
@@ -229,7 +274,9 @@ def steps() -> dict[str, Callable[[argparse.Namespace], dict[str, Any]]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("step", help="a step name, or 'record NAME WHY': a fail line for a step that wrote none")
+    p.add_argument(
+        "step", help="a step name, or 'record NAME WHY': a fail line for a step that wrote none"
+    )
     p.add_argument("rest", nargs="*")
     p.add_argument("--device", default="cuda")
     p.add_argument("--work", type=Path, default=Path("/tmp/gpu_check"))
@@ -237,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)
-    if a.step == "record":  # the shell's line for a step that was killed or crashed before writing its own
+    if (
+        a.step == "record"
+    ):  # the shell's line for a step that was killed or crashed before writing its own
         result_line(a.out, a.rest[0], False, error=" ".join(a.rest[1:]))
         return 1
     if a.step not in STEPS:

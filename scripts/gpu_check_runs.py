@@ -1,14 +1,16 @@
-"""The device check's steps that run recstack as a user does (``recstack train`` alone and under torchrun,
-``export``, ``serve``) and the throughput step (``scripts/gpu_check.py`` runs them; docs/gpu.md).
+"""The device check's steps that run recstack as a user does (``recstack train`` alone and under
+torchrun, ``export``, ``serve``) and the throughput step (``scripts/gpu_check.py`` runs them;
+docs/gpu.md).
 
-Runs on the device and their CPU references start together where they do not depend on each other (a GPU
-machine has cores to spare), and every run trains the test suite's tiny data set and small model
-(``tests/conftest.py``), so the budgets of the memory-tier tests apply as they are.
+Runs on the device and their CPU references start together where they do not depend on each other
+(a GPU machine has cores to spare), and every run trains the test suite's tiny data set and small
+model (``tests/conftest.py``), so the budgets of the memory-tier tests apply as they are.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -22,11 +24,20 @@ import torch
 from gpu_check import ROOT, STEP_BOUND, Timer, device_of
 
 sys.path.insert(0, str(ROOT / "tests"))
-from conftest import RECSTACK, SMALL, free_port, torchrun, train_args, write_tiny_dataset  # noqa: E402
+from conftest import (  # noqa: E402
+    RECSTACK,
+    SMALL,
+    free_port,
+    torchrun,
+    train_args,
+    write_tiny_dataset,
+)
 
-# 2 ranks against 2 ranks on the CPU: fp16 / eb messages are close, not equal (as tests/distributed/test_torchrun)
+# 2 ranks against 2 ranks on the CPU: fp16 / eb messages are close, not equal (as
+# tests/distributed/test_torchrun)
 TWO_RANK_BOUND = 5e-3
-MIXED_TIERS = ['memory.device="4392"', 'memory.host="10800"']  # tests/training/test_tiered_train.py's budgets
+# tests/training/test_tiered_train.py's budgets
+MIXED_TIERS = ['memory.device="4392"', 'memory.host="10800"']
 
 
 def _data(work: Path) -> Path:
@@ -63,23 +74,46 @@ def _diff(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 
 def step_two_ranks(a: argparse.Namespace) -> dict[str, Any]:
-    """Two ranks on one device through gloo (CUDA tensors on a GPU): row-wise fp16 pipelined and table-wise eb
-    not pipelined, each against the same 2-rank run on the CPU; and a DCP checkpoint resumed."""
+    """Two ranks on one device through gloo (CUDA tensors on a GPU): row-wise fp16 pipelined and
+    table-wise eb not pipelined, each against the same 2-rank run on the CPU; and a DCP checkpoint
+    resumed."""
     data, runs = _data(a.work), a.work / "two_ranks"
-    base = [*SMALL, "train.max_steps=40", "train.log_every=20", "train.checkpoint_every=20", "train.eval_every=20"]
-    variants = {"rw_fp16_pipelined": ['dist.sharding="row_wise"', 'dist.forward_codec="fp16"',
-                                      'dist.backward_codec="fp16"', "dist.pipeline=true"],
-                "tw_eb": ['dist.sharding="table_wise"', 'dist.forward_codec="eb"', 'dist.backward_codec="eb"',
-                          "dist.pipeline=false"]}
+    base = [
+        *SMALL,
+        "train.max_steps=40",
+        "train.log_every=20",
+        "train.checkpoint_every=20",
+        "train.eval_every=20",
+    ]
+    variants = {
+        "rw_fp16_pipelined": [
+            'dist.sharding="row_wise"',
+            'dist.forward_codec="fp16"',
+            'dist.backward_codec="fp16"',
+            "dist.pipeline=true",
+        ],
+        "tw_eb": [
+            'dist.sharding="table_wise"',
+            'dist.forward_codec="eb"',
+            'dist.backward_codec="eb"',
+            "dist.pipeline=false",
+        ],
+    }
     two = torchrun(2)
     procs = []
     for name, opts in variants.items():
-        for dev in dict.fromkeys([a.device, "cpu"]):  # the CPU reference once where the device is the CPU
-            args = train_args(runs / f"{name}_{dev}", data, [*base, *opts, f'train.device="{dev}"'])
+        for dev in dict.fromkeys(
+            [a.device, "cpu"]
+        ):  # the CPU reference once where the device is the CPU
+            args = train_args(
+                runs / f"{name}_{dev}", data, [*base, *opts, f'train.device="{dev}"']
+            )
             procs.append(_start(args, runs / f"{name}_{dev}.log", two))
     half = [*base, *variants["rw_fp16_pipelined"], f'train.device="{a.device}"']
     resumed = runs / "resumed"
-    procs.append(_start(train_args(resumed, data, [*half, "train.max_steps=20"]), runs / "resume1.log", two))
+    procs.append(
+        _start(train_args(resumed, data, [*half, "train.max_steps=20"]), runs / "resume1.log", two)
+    )
     _wait(*procs)
     _wait(_start(train_args(resumed, data, half, "--resume"), runs / "resume2.log", two))
     out: dict[str, Any] = {"bound": TWO_RANK_BOUND}
@@ -96,24 +130,33 @@ def step_two_ranks(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_tiers(a: argparse.Namespace) -> dict[str, Any]:
-    """One process on the device: tables in memory against tables in tiers (device caches over host memory and
-    SSD files); the in-memory run is the model the serve step exports."""
+    """One process on the device: tables in memory against tables in tiers (device caches over host
+    memory and SSD files); the in-memory run is the model the serve step exports."""
     data, runs = _data(a.work), a.work / "tiers"
     base = [*SMALL, "train.max_steps=60", "train.log_every=30", f'train.device="{a.device}"']
     tiered = [*base, *MIXED_TIERS, f'memory.ssd_dir="{runs / "ssd"}"']
-    _wait(_start(train_args(runs / "plain", data, base), runs / "plain.log"),
-          _start(train_args(runs / "tiered", data, tiered), runs / "tiered.log"))
+    _wait(
+        _start(train_args(runs / "plain", data, base), runs / "plain.log"),
+        _start(train_args(runs / "tiered", data, tiered), runs / "tiered.log"),
+    )
     plain, tier = _summary(runs / "plain"), _summary(runs / "tiered")
     plan = (runs / "tiered.log").read_text()
     placed = "host-cached" in plan and "ssd-cached" in plan
     d = _diff(plain, tier)
-    return {"ok": placed and d <= STEP_BOUND, "tiers_placed": placed, "auc": tier["auc"],
-            "max_diff_vs_in_memory": d, "bound": STEP_BOUND}
+    return {
+        "ok": placed and d <= STEP_BOUND,
+        "tiers_placed": placed,
+        "auc": tier["auc"],
+        "max_diff_vs_in_memory": d,
+        "bound": STEP_BOUND,
+    }
 
 
-def _serve_and_compare(model: Path, dev: str, rows: list[dict[str, Any]], log: Path) -> dict[str, float]:
-    """``recstack serve MODEL --device DEV``: the served logits of ``rows`` against the artifact scored on the
-    CPU in this process, and request latencies."""
+def _serve_and_compare(
+    model: Path, dev: str, rows: list[dict[str, Any]], log: Path
+) -> dict[str, float]:
+    """``recstack serve MODEL --device DEV``: the served logits of ``rows`` against the artifact
+    scored on the CPU in this process, and request latencies."""
     import httpx
 
     from recstack.serving.model import ServingModel
@@ -131,8 +174,9 @@ def _serve_and_compare(model: Path, dev: str, rows: list[dict[str, Any]], log: P
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"recstack serve --device {dev} did not get ready: "
-                                   f"{log.read_text()[-1500:]}")
+                raise RuntimeError(
+                    f"recstack serve --device {dev} did not get ready: {log.read_text()[-1500:]}"
+                )
             time.sleep(0.2)
         lat = []
         body = {"rows": rows, "encoded": True, "return_logit": True}
@@ -146,7 +190,10 @@ def _serve_and_compare(model: Path, dev: str, rows: list[dict[str, Any]], log: P
         proc.terminate()
         proc.wait(30)
         proc.log.close()  # type: ignore[attr-defined]
-    return {"max_abs_logit_diff": float(np.abs(got - want).max()), "p50_ms": 1e3 * float(np.median(lat))}
+    return {
+        "max_abs_logit_diff": float(np.abs(got - want).max()),
+        "p50_ms": 1e3 * float(np.median(lat)),
+    }
 
 
 def step_serve(a: argparse.Namespace) -> dict[str, Any]:
@@ -154,27 +201,54 @@ def step_serve(a: argparse.Namespace) -> dict[str, Any]:
     ``serve --device``: served = offline within the bound."""
     data, runs = _data(a.work), a.work / "serve"
     plain = a.work / "tiers" / "plain"
-    qr = [*SMALL, "train.max_steps=30", 'train.device="cpu"', "model.qr_collisions=4", "model.qr_threshold=100"]
+    qr = [
+        *SMALL,
+        "train.max_steps=30",
+        'train.device="cpu"',
+        "model.qr_collisions=4",
+        "model.qr_threshold=100",
+    ]
     procs = [_start(train_args(runs / "qr", data, qr), runs / "qr_train.log")]
     if not (plain / "summary.json").exists():  # the tiers step did not leave its run
-        procs.append(_start(train_args(plain, data, [*SMALL, "train.max_steps=60", f'train.device="{a.device}"']),
-                            runs / "plain_train.log"))
+        procs.append(
+            _start(
+                train_args(
+                    plain, data, [*SMALL, "train.max_steps=60", f'train.device="{a.device}"']
+                ),
+                runs / "plain_train.log",
+            )
+        )
     _wait(*procs)
-    _wait(_start(["export", "--checkpoint", str(plain), "--out", str(runs / "model")], runs / "export.log"),
-          _start(["export", "--checkpoint", str(runs / "qr"), "--out", str(runs / "model_qr")],
-                 runs / "export_qr.log"))
+    _wait(
+        _start(
+            ["export", "--checkpoint", str(plain), "--out", str(runs / "model")],
+            runs / "export.log",
+        ),
+        _start(
+            ["export", "--checkpoint", str(runs / "qr"), "--out", str(runs / "model_qr")],
+            runs / "export_qr.log",
+        ),
+    )
     rng = np.random.default_rng(0)
     sizes = [50, 300, 7, 1000]
-    rows = [{f"I{i + 1}": float(rng.random()) for i in range(13)}
-            | {f"C{i + 1}": int(rng.integers(0, n)) for i, n in enumerate(sizes)} for _ in range(64)]
-    res = {"plain": _serve_and_compare(runs / "model", a.device, rows, runs / "serve.log"),
-           "qr_exported_on_cpu": _serve_and_compare(runs / "model_qr", a.device, rows, runs / "serve_qr.log")}
+    rows = [
+        {f"I{i + 1}": float(rng.random()) for i in range(13)}
+        | {f"C{i + 1}": int(rng.integers(0, n)) for i, n in enumerate(sizes)}
+        for _ in range(64)
+    ]
+    res = {
+        "plain": _serve_and_compare(runs / "model", a.device, rows, runs / "serve.log"),
+        "qr_exported_on_cpu": _serve_and_compare(
+            runs / "model_qr", a.device, rows, runs / "serve_qr.log"
+        ),
+    }
     ok = all(r["max_abs_logit_diff"] <= STEP_BOUND for r in res.values())
     return {"ok": ok, "bound": STEP_BOUND, **res}
 
 
 def _syncs(fn: Any, dev: torch.device) -> int | None:
-    """Host-device synchronizations of one call of ``fn`` (torch's sync debug mode; None on the CPU)."""
+    """Host-device synchronizations of one call of ``fn`` (torch's sync debug mode; None on the
+    CPU)."""
     if dev.type != "cuda":
         return None
     with warnings.catch_warnings(record=True) as seen:
@@ -187,39 +261,15 @@ def _syncs(fn: Any, dev: torch.device) -> int | None:
     return sum("synchroniz" in str(w.message) for w in seen)
 
 
-def _throughput_at(batch: int, dev: torch.device, timed: int, max_rows: int, work: Path) -> dict[str, Any]:
-    """bench/train_throughput.py's three models at ``batch`` on ``dev``, TF32 off then on: samples/s, step ms
-    and (a GPU) peak memory per kind; host syncs of one recstack step."""
-    import tempfile
-
-    from bench.baseline_dlrm import BaselineDLRM, make_optimizer, train_step
-    from bench.train_throughput import KAGGLE_CARDINALITIES, LR, NUM_DENSE, DenseFloor, kaggle_config, make_data
-    from bench.train_throughput import make_trainer as bench_trainer
-    from recstack.data.format import capped_table_sizes
+def _throughput_at(batch: int, dev: torch.device, timed: int, max_rows: int) -> dict[str, Any]:
+    """bench/train_throughput.py's three models at ``batch`` on ``dev``, TF32 off then on:
+    samples/s, step ms and (a GPU) peak memory per kind; host syncs of one recstack step."""
+    from bench.train_throughput import StepKinds
     from recstack.training.step import set_tf32
 
     cuda = dev.type == "cuda"
-    sizes = capped_table_sizes(KAGGLE_CARDINALITIES, max_rows)
-    cfg = kaggle_config()
-    cfg.train.batch_size, cfg.train.device, cfg.model.max_table_size = batch, str(dev), max_rows
-    with tempfile.TemporaryDirectory(prefix="gpu_check_tp_", dir=work) as tmp:
-        trainer = bench_trainer(cfg, KAGGLE_CARDINALITIES, Path(tmp) / "data")
-    torch.manual_seed(0)
-    base = BaselineDLRM(NUM_DENSE, sizes, 16, cfg.model.bottom_mlp, cfg.model.top_mlp).to(dev)
-    base_opt = make_optimizer(base, LR)
-    floor = DenseFloor(trainer.model, batch, len(sizes), 16, 0, device=dev)
-    data = [{k: (v.to(dev) if k in ("batch", "dense", "labels") else [t.to(dev) for t in v])
-             for k, v in d.items()} for d in make_data(sizes, batch, 4, 1)]
-
-    def step(kind: str, i: int) -> None:
-        d = data[i % len(data)]
-        if kind == "recstack":
-            trainer.train_step(d["batch"])
-        elif kind == "baseline":
-            train_step(base, base_opt, d["dense"], d["ids"], d["offsets"], d["labels"])
-        else:
-            floor.step(i, d["dense"], d["labels"])
-
+    kinds = StepKinds(batch, device=dev, max_rows=max_rows, num_batches=4)
+    step = kinds.step
     row: dict[str, Any] = {}
     for tf32 in (False, True):
         set_tf32(tf32)
@@ -243,21 +293,31 @@ def _throughput_at(batch: int, dev: torch.device, timed: int, max_rows: int, wor
 
 
 def step_throughput(a: argparse.Namespace) -> dict[str, Any]:
-    """Training samples/s at batch 2048 and 16384 (the rehearsal: 256 and 2048) of the Criteo Kaggle DLRM
-    (bench/train_throughput.py's models: recstack's Trainer step, the per-table baseline, the dense floor, in
-    this process), TF32 off and on; host syncs per recstack step and peak device memory per kind."""
+    """Training samples/s at batch 2048 and 16384 (the rehearsal: 256 and 2048) of the Criteo
+    Kaggle DLRM (bench/train_throughput.py's models: recstack's Trainer step, the per-table
+    baseline, the dense floor, in this process), TF32 off and on; host syncs per recstack step and
+    peak device memory per kind."""
     dev = device_of(a.device)
     cuda = dev.type == "cuda"
-    # the CPU rehearsal only shows that the steps run: batches / 8, tables capped at 10k rows, 1 timed step
+    # the CPU rehearsal only shows that the steps run: batches / 8, tables capped at 10k rows, 1
+    # timed step
     timed, max_rows, batches = (10, 1_000_000, (2048, 16384)) if cuda else (1, 10_000, (256, 2048))
     out: dict[str, Any] = {}
     for batch in batches:
-        out[f"batch_{batch}"] = _throughput_at(batch, dev, timed, max_rows, a.work)
-        if cuda:
+        out[f"batch_{batch}"] = _throughput_at(batch, dev, timed, max_rows)
+        if cuda:  # the models of this batch size are gone: their memory back for the next
+            gc.collect()
             torch.cuda.empty_cache()
-    ok = all(r["samples_per_s"] > 0 for row in out.values() for r in row.values() if isinstance(r, dict))
+    ok = all(
+        r["samples_per_s"] > 0 for row in out.values() for r in row.values() if isinstance(r, dict)
+    )
     timer = "cuda events" if cuda else "perf_counter"
     return {"ok": ok, "timed_steps": timed, "max_rows": max_rows, "timer": timer, **out}
 
 
-RUN_STEPS = {"two_ranks": step_two_ranks, "tiers": step_tiers, "serve": step_serve, "throughput": step_throughput}
+RUN_STEPS = {
+    "two_ranks": step_two_ranks,
+    "tiers": step_tiers,
+    "serve": step_serve,
+    "throughput": step_throughput,
+}

@@ -1,15 +1,16 @@
-"""Input distribution of a sharded collection, in two halves: what is sent (local work, any thread) and the
-exchange itself (collectives, the training thread only).
+"""Input distribution of a sharded collection, in two halves: what is sent (local work, any thread)
+and the exchange itself (collectives, the training thread only).
 
-``prepare_input`` builds, for every rank, the message of this rank's samples: for each (feature, shard) pair the
-rank owns, the lengths [B] and ids of the local samples (row-wise shards only their ids, renumbered from the
-shard's first row). It communicates with nobody, so the input pipeline runs it in the loader's thread, a batch
-ahead. ``exchange_input`` runs the id all-to-all (two: sizes, then ids; a third for per-id weights) and unpacks
-what every rank sent into ``RoutedIds``. Every collective of recstack is issued from the training thread, in
-one program order on every rank: ProcessGroupNCCL orders a collective after the caller's current stream, so
-two threads issuing collectives on two groups could enqueue them in opposite orders on two ranks and wait on
-each other until ``dist.timeout_s`` (gloo cannot show this; ``tests/distributed/test_collective_order.py``
-records every rank's sequence).
+``prepare_input`` builds, for every rank, the message of this rank's samples: for each (feature,
+shard) pair the rank owns, the lengths [B] and ids of the local samples (row-wise shards only their
+ids, renumbered from the shard's first row). It communicates with nobody, so the input pipeline
+runs it in the loader's thread, a batch ahead. ``exchange_input`` runs the id all-to-all (two:
+sizes, then ids; a third for per-id weights) and unpacks what every rank sent into ``RoutedIds``.
+Every collective of recstack is issued from the training thread, in one program order on every
+rank: ProcessGroupNCCL orders a collective after the caller's current stream, so two threads
+issuing collectives on two groups could enqueue them in opposite orders on two ranks and wait on
+each other until ``dist.timeout_s`` (gloo cannot show this;
+``tests/distributed/test_collective_order.py`` records every rank's sequence).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ Pairs = list[list[tuple[int, Shard]]]
 
 @dataclass(frozen=True)
 class RoutedIds:
-    """The input distribution of one batch, what ``forward`` needs besides it: the batch size of every rank,
-    (ids, lengths) of each pair this rank owns over all ranks' samples, their per-id weights, and with
-    ``aggregate_gradients`` the backward exchange's (send, receive) id groups per [rank][chunk]. ``ids`` is
-    the batch's own id tensor, so that forward can check it is given the batch these were routed for."""
+    """The input distribution of one batch, what ``forward`` needs besides it: the batch size of
+    every rank, (ids, lengths) of each pair this rank owns over all ranks' samples, their per-id
+    weights, and with ``aggregate_gradients`` the backward exchange's (send, receive) id groups per
+    [rank][chunk]. ``ids`` is the batch's own id tensor, so that forward can check it is given the
+    batch these were routed for."""
 
     ids: torch.Tensor
     batch_sizes: list[int]
@@ -45,10 +47,11 @@ class RoutedIds:
 
 @dataclass(frozen=True)
 class PreparedInput:
-    """What this rank sends in the input distribution of one batch (``prepare_input``): ``send_ids[r]`` =
-    [B, lengths of each of rank r's pairs ([B] each), their ids], ``send_w[r]`` their weights (None: the batch
-    is unweighted), and the (ids, lengths) of every piece sent, rank-major (the gradient groups' input).
-    ``ids`` is the batch's id tensor (the identity the input pipeline matches batches by)."""
+    """What this rank sends in the input distribution of one batch (``prepare_input``):
+    ``send_ids[r]`` = [B, lengths of each of rank r's pairs ([B] each), their ids], ``send_w[r]``
+    their weights (None: the batch is unweighted), and the (ids, lengths) of every piece sent,
+    rank-major (the gradient groups' input). ``ids`` is the batch's id tensor (the identity the
+    input pipeline matches batches by)."""
 
     ids: torch.Tensor
     send_ids: list[torch.Tensor]
@@ -62,7 +65,8 @@ class PreparedInput:
 
 
 def prepare_input(sparse: SparseFeatures, pairs: Pairs) -> PreparedInput:
-    """The messages of this rank's samples ``sparse`` (local batch B, maybe 0) to every rank. No collective."""
+    """The messages of this rank's samples ``sparse`` (local batch B, maybe 0) to every rank. No
+    collective."""
     b = sparse.batch_size
     lengths = sparse.lengths.view(sparse.num_features, b)  # [F, B]
     starts = sparse.feature_bounds.tolist()  # [F + 1]
@@ -87,18 +91,31 @@ def prepare_input(sparse: SparseFeatures, pairs: Pairs) -> PreparedInput:
         head = torch.tensor([b], dtype=torch.int64, device=sparse.ids.device)
         send_ids.append(torch.cat([head, *lens, *ids]))
         if sparse.weights is not None:
-            send_w.append(torch.cat([w for w in ws if w is not None]) if ws else sparse.weights[:0])
-    return PreparedInput(sparse.ids, send_ids, send_w if sparse.weights is not None else None, pieces)
+            send_w.append(
+                torch.cat([w for w in ws if w is not None]) if ws else sparse.weights[:0]
+            )
+    return PreparedInput(
+        sparse.ids, send_ids, send_w if sparse.weights is not None else None, pieces
+    )
 
 
-def exchange_input(prep: PreparedInput, pairs: Pairs, group: dist.ProcessGroup | None, stats: CommStats,
-                   grad_groups: bool) -> RoutedIds:
-    """Collective on ``group``: every rank's prepared messages -> what this rank owns over every rank's samples.
-    ``grad_groups``: also the backward exchange's id groups (``aggregate_gradients``, training batches)."""
+def exchange_input(
+    prep: PreparedInput,
+    pairs: Pairs,
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+    grad_groups: bool,
+) -> RoutedIds:
+    """Collective on ``group``: every rank's prepared messages -> what this rank owns over every
+    rank's samples. ``grad_groups``: also the backward exchange's id groups
+    (``aggregate_gradients``, training batches)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     recv = all_to_all_variable(prep.send_ids, group, stats, "input_dist")
-    recv_w = (all_to_all_variable(prep.send_w, group, stats, "input_dist")
-              if prep.send_w is not None else [None] * world)
+    recv_w = (
+        all_to_all_variable(prep.send_w, group, stats, "input_dist")
+        if prep.send_w is not None
+        else [None] * world
+    )
     n = len(pairs[rank])
     batch_sizes = [int(m[0]) for m in recv]
     pair_ids: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -122,11 +139,15 @@ def exchange_input(prep: PreparedInput, pairs: Pairs, group: dist.ProcessGroup |
     groups = None
     if grad_groups:
         sent = ga.send_groups(prep.pieces, weighted)  # this rank's samples, per owner and pair
-        served = ga.receive_groups([(pair_ids[p][r], pair_lens[p][r]) for r in range(world)
-                                    for p in range(n)], weighted)  # the owner side: ids it got from each rank
+        # the owner side: ids it got from each rank
+        served = ga.receive_groups(
+            [(pair_ids[p][r], pair_lens[p][r]) for r in range(world) for p in range(n)], weighted
+        )
         per_owner = [len(pairs[r]) for r in range(world)]
         groups = (_nest(sent, per_owner), _nest(served, [n] * world))
-    return RoutedIds(prep.ids, batch_sizes, list(zip(ids_out, lens_out, strict=True)), w_out, groups)
+    return RoutedIds(
+        prep.ids, batch_sizes, list(zip(ids_out, lens_out, strict=True)), w_out, groups
+    )
 
 
 def _nest(flat: list, sizes: list[int]) -> list[list]:

@@ -1,8 +1,8 @@
-"""``recstack`` under torchrun with every collective of ``torch.distributed`` recorded: what op, on which process
-group, from which thread, in the order this rank issued them. Run as
-``torchrun ... tests/distributed/collective_recorder.py OUT_DIR recstack-args...``; each rank writes
-``OUT_DIR/rank<r>.json`` when ``recstack`` returns (DDP's all-reduce goes through its comm hook, which calls
-``dist.all_reduce`` from Python, so it is recorded too)."""
+"""``recstack`` under torchrun with every collective of ``torch.distributed`` recorded: what op, on
+which process group, from which thread, in the order this rank issued them. Run as ``torchrun ...
+tests/distributed/collective_recorder.py OUT_DIR recstack-args...``; each rank writes
+``OUT_DIR/rank<r>.json`` when ``recstack`` returns (DDP's all-reduce goes through its comm hook,
+which calls ``dist.all_reduce`` from Python, so it is recorded too)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,33 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-COLLECTIVES = ("all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_object",
-               "all_gather_into_tensor", "broadcast", "broadcast_object_list", "barrier", "reduce",
-               "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
-               "monitored_barrier", "send", "recv", "isend", "irecv")
+COLLECTIVES = (
+    "all_to_all_single",
+    "all_to_all",
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "reduce",
+    "reduce_scatter_tensor",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
 
 
 def record(calls: list[tuple[str, str, str]]) -> None:
-    """Wrap every collective of ``torch.distributed`` so that each call appends (op, group, thread)."""
+    """Wrap every collective of ``torch.distributed`` so that each call appends (op, group,
+    thread)."""
     for name in COLLECTIVES:
         real = getattr(dist, name)
 

@@ -1,7 +1,7 @@
-"""An exported dense program is device-independent: traced on the CPU, loaded on another device it holds no
-operator that still makes tensors on the CPU (a QR model's combine makes an identity row; ``Module.to`` left its
-``device=cpu``, so ``serve --device cuda`` failed). ``meta`` stands for the other device here; the device check
-(scripts/gpu_check.sh) serves such a model on CUDA."""
+"""An exported dense program is device-independent: traced on the CPU, loaded on another device it
+holds no operator that still makes tensors on the CPU (a QR model's combine makes an identity row;
+``Module.to`` left its ``device=cpu``, so ``serve --device cuda`` failed). ``meta`` stands for the
+other device here; the device check (scripts/gpu_check.sh) serves such a model on CUDA."""
 
 from __future__ import annotations
 
@@ -21,12 +21,18 @@ def _qr_model(operation: str):  # type: ignore[no-untyped-def]
     cfg = Config()
     cfg.model.embedding_dim, cfg.model.bottom_mlp, cfg.model.top_mlp = 4, [8, 4], [8, 1]
     cfg.model.qr_collisions, cfg.model.qr_threshold, cfg.model.qr_operation = 4, 10, operation
-    return build_model(cfg.model, sparse_optimizer_config(cfg.optim), 3, [5, 100, 37], seed=0,
-                       names=["a", "b", "c"])
+    return build_model(
+        cfg.model,
+        sparse_optimizer_config(cfg.optim),
+        3,
+        [5, 100, 37],
+        seed=0,
+        names=["a", "b", "c"],
+    )
 
 
 def _devices(gm: torch.nn.Module) -> set[str]:
-    """Every device a node of the program's graph names, and those of its parameters and buffers."""
+    """Every device a node of the program's graph names, and its parameters' and buffers'."""
     out = {str(t.device) for t in [*gm.parameters(), *gm.buffers()]}
     for node in gm.graph.nodes:  # type: ignore[union-attr]
         dev = node.kwargs.get("device")
@@ -36,7 +42,9 @@ def _devices(gm: torch.nn.Module) -> set[str]:
 
 
 @pytest.mark.parametrize("operation", ["mult"])
-def test_a_qr_program_traced_on_the_cpu_moves_whole_to_another_device(operation: str, tmp_path: Path) -> None:
+def test_a_qr_program_traced_on_the_cpu_moves_whole_to_another_device(
+    operation: str, tmp_path: Path
+) -> None:
     model = _qr_model(operation).eval()
     path = tmp_path / "dense.pt2"
     export_program(model, path)

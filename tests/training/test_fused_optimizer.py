@@ -1,6 +1,6 @@
-"""The dense optimizer asks for torch's fused kernels only where the installed torch has them for the
-parameters' device (torch 2.11's fused Adagrad is CPU-only: ``optim.dense = "adagrad"`` on CUDA raised at the
-first step)."""
+"""The dense optimizer asks for torch's fused kernels only where the installed torch has them for
+the parameters' device (torch 2.11's fused Adagrad is CPU-only: ``optim.dense = "adagrad"`` on CUDA
+raised at the first step)."""
 
 from __future__ import annotations
 
@@ -23,24 +23,30 @@ def _fresh_answers() -> Iterator[None]:
 @pytest.mark.parametrize("kind", ["sgd", "adagrad", "adam"])
 def test_fused_on_the_cpu_where_torch_has_the_kernels(kind: str) -> None:
     assert fused_kernel_runs(kind, "cpu")
-    assert not fused_kernel_runs(kind, "meta")  # no fused kernel there: torch refuses at the first step
+    # no fused kernel there: torch refuses at the first step
+    assert not fused_kernel_runs(kind, "meta")
     p = torch.nn.Parameter(torch.ones(3))
     opt = build_dense_optimizer(OptimConfig(dense=kind), [p])
     assert opt.param_groups[0]["fused"] is True
 
 
 class _AdagradWithoutFusedKernel(torch.optim.Adagrad):
-    """torch 2.11's Adagrad as it behaves on CUDA: constructed with fused=True, it raises at the first step."""
+    """torch 2.11's Adagrad as it behaves on CUDA: constructed with fused=True, it raises at the
+    first step."""
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[no-untyped-def, override]
         if any(g["fused"] for g in self.param_groups):
-            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported "
-                               "devices: ['cpu'] but torch.float32 and cpu")
+            raise RuntimeError(
+                "`fused=True` requires all the params to be floating point Tensors of supported "
+                "devices: ['cpu'] but torch.float32 and cpu"
+            )
         return super().step(closure)
 
 
-def test_without_the_fused_kernel_the_optimizer_falls_back_and_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_the_fused_kernel_the_optimizer_falls_back_and_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(torch.optim, "Adagrad", _AdagradWithoutFusedKernel)
     p = torch.nn.Parameter(torch.ones(3))
     opt = build_dense_optimizer(OptimConfig(dense="adagrad", dense_lr=0.5), [p])

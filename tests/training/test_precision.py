@@ -1,6 +1,6 @@
-"""``train.autocast = "bf16"`` runs the training step's matrix products in bfloat16 (on the CPU too, so it is
-tested here), and ``train.tf32`` sets torch's TF32 switches (they act on a GPU only; the device check
-scripts/gpu_check.sh times both)."""
+"""``train.autocast = "bf16"`` runs the training step's matrix products in bfloat16 (on the CPU
+too, so it is tested here), and ``train.tf32`` sets torch's TF32 switches (they act on a GPU only;
+the device check scripts/gpu_check.sh times both)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,16 @@ def test_bf16_autocast_casts_the_matrix_products_only() -> None:
         assert lin(x).dtype == torch.float32
 
 
-def test_bf16_training_follows_fp32_and_tf32_is_switched(tiny_dataset: Path, tmp_path: Path) -> None:
+def test_bf16_training_follows_fp32_and_tf32_is_switched(
+    tiny_dataset: Path, tmp_path: Path
+) -> None:
     steps = ["train.max_steps=40", "train.log_every=40"]
     try:
         fp32 = train_steps(tiny_dataset, tmp_path / "fp32", steps)
         assert not torch.backends.cuda.matmul.allow_tf32
-        bf16 = train_steps(tiny_dataset, tmp_path / "bf16", [*steps, 'train.autocast="bf16"', "train.tf32=true"])
+        bf16 = train_steps(
+            tiny_dataset, tmp_path / "bf16", [*steps, 'train.autocast="bf16"', "train.tf32=true"]
+        )
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         set_tf32(False)
