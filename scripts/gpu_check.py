@@ -284,9 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)
-    if (
-        a.step == "record"
-    ):  # the shell's line for a step that was killed or crashed before writing its own
+    # the shell's line for a step that was killed or crashed before writing its own
+    if a.step == "record":
         result_line(a.out, a.rest[0], False, error=" ".join(a.rest[1:]))
         return 1
     if a.step not in STEPS:

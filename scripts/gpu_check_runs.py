@@ -40,6 +40,11 @@ TWO_RANK_BOUND = 5e-3
 MIXED_TIERS = ['memory.device="4392"', 'memory.host="10800"']
 
 
+def _plain(device: str) -> list[str]:
+    """The one-process run of the tiers step (in memory; the model the serve step exports)."""
+    return [*SMALL, "train.max_steps=30", "train.log_every=15", f'train.device="{device}"']
+
+
 def _data(work: Path) -> Path:
     path = work / "data"
     if not (path / "meta.json").exists() and not path.exists():
@@ -76,15 +81,10 @@ def _diff(a: dict[str, Any], b: dict[str, Any]) -> float:
 def step_two_ranks(a: argparse.Namespace) -> dict[str, Any]:
     """Two ranks on one device through gloo (CUDA tensors on a GPU): row-wise fp16 pipelined and
     table-wise eb not pipelined, each against the same 2-rank run on the CPU; and a DCP checkpoint
-    resumed."""
+    resumed (stopped at its step-10 checkpoint)."""
     data, runs = _data(a.work), a.work / "two_ranks"
-    base = [
-        *SMALL,
-        "train.max_steps=40",
-        "train.log_every=20",
-        "train.checkpoint_every=20",
-        "train.eval_every=20",
-    ]
+    steps = ["train.max_steps=20", "train.log_every=10", "train.checkpoint_every=10"]
+    base = [*SMALL, *steps, "train.eval_every=10"]
     variants = {
         "rw_fp16_pipelined": [
             'dist.sharding="row_wise"',
@@ -102,9 +102,8 @@ def step_two_ranks(a: argparse.Namespace) -> dict[str, Any]:
     two = torchrun(2)
     procs = []
     for name, opts in variants.items():
-        for dev in dict.fromkeys(
-            [a.device, "cpu"]
-        ):  # the CPU reference once where the device is the CPU
+        # the CPU reference once where the device is the CPU
+        for dev in dict.fromkeys([a.device, "cpu"]):
             args = train_args(
                 runs / f"{name}_{dev}", data, [*base, *opts, f'train.device="{dev}"']
             )
@@ -112,7 +111,8 @@ def step_two_ranks(a: argparse.Namespace) -> dict[str, Any]:
     half = [*base, *variants["rw_fp16_pipelined"], f'train.device="{a.device}"']
     resumed = runs / "resumed"
     procs.append(
-        _start(train_args(resumed, data, [*half, "train.max_steps=20"]), runs / "resume1.log", two)
+        # stopped after its first checkpoint (step 10), resumed below to step 20
+        _start(train_args(resumed, data, [*half, "train.max_steps=10"]), runs / "resume1.log", two)
     )
     _wait(*procs)
     _wait(_start(train_args(resumed, data, half, "--resume"), runs / "resume2.log", two))
@@ -133,7 +133,7 @@ def step_tiers(a: argparse.Namespace) -> dict[str, Any]:
     """One process on the device: tables in memory against tables in tiers (device caches over host
     memory and SSD files); the in-memory run is the model the serve step exports."""
     data, runs = _data(a.work), a.work / "tiers"
-    base = [*SMALL, "train.max_steps=60", "train.log_every=30", f'train.device="{a.device}"']
+    base = _plain(a.device)
     tiered = [*base, *MIXED_TIERS, f'memory.ssd_dir="{runs / "ssd"}"']
     _wait(
         _start(train_args(runs / "plain", data, base), runs / "plain.log"),
@@ -203,7 +203,7 @@ def step_serve(a: argparse.Namespace) -> dict[str, Any]:
     plain = a.work / "tiers" / "plain"
     qr = [
         *SMALL,
-        "train.max_steps=30",
+        "train.max_steps=20",
         'train.device="cpu"',
         "model.qr_collisions=4",
         "model.qr_threshold=100",
@@ -212,9 +212,7 @@ def step_serve(a: argparse.Namespace) -> dict[str, Any]:
     if not (plain / "summary.json").exists():  # the tiers step did not leave its run
         procs.append(
             _start(
-                train_args(
-                    plain, data, [*SMALL, "train.max_steps=60", f'train.device="{a.device}"']
-                ),
+                train_args(plain, data, _plain(a.device)),
                 runs / "plain_train.log",
             )
         )

@@ -113,9 +113,8 @@ class InputPipeline:
             prepared = self._prepare(batch)
         with self._lock:
             self._staged.append(_Staged(batch.sparse.ids, prepared, ready))
-            while (
-                len(self._staged) > 64
-            ):  # batches staged but never trained (a loader iterated elsewhere)
+            # batches staged but never trained (a loader iterated elsewhere)
+            while len(self._staged) > 64:
                 self._staged.popleft()
         return batch
 
