@@ -38,6 +38,8 @@ CUDA_TESTS = [
     "tests/training/test_fused_optimizer.py",
     "tests/serving/test_program_device.py",
     "tests/training/test_precision.py",
+    "tests/compression/test_compression.py::test_cuda_tensors_stay_on_the_device",
+    "tests/training/test_train.py::test_eval_and_predict_device",
 ]
 # CPU against device: max |difference| of losses, weights and decoded payloads (fp32 math)
 STEP_BOUND = 1e-4
