@@ -17,6 +17,7 @@ import json
 import platform
 import subprocess
 import sys
+import time
 import traceback
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -30,6 +31,8 @@ for p in (ROOT, ROOT / "scripts"):
 
 if TYPE_CHECKING:
     import torch
+
+started = time.monotonic()  # a step's seconds count from here (its process's own start)
 
 MAX_OUT_FILES = 8  # what comes back from a device machine's $OUT
 # The tests that need CUDA (they skip without it; on the CPU the rest of each file runs).
@@ -47,12 +50,20 @@ STEP_BOUND = 1e-4
 
 def result_line(out: Path, step: str, ok: bool, **numbers: Any) -> dict[str, Any]:
     """Append ``{"step", "status", ...numbers}`` as one line to ``out/results.jsonl`` (the only
-    file a step writes to ``out``) -> the record. Floats are rounded to 6 significant digits."""
-    rec = {"step": step, "status": "pass" if ok else "fail"}
-    rec.update({k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in numbers.items()})
+    file a step writes to ``out``) -> the record. Floats, also nested ones, are rounded to 6
+    significant digits."""
+    rec = {"step": step, "status": "pass" if ok else "fail", **_rounded(numbers)}
     with open(out / "results.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
     return rec
+
+
+def _rounded(x: Any) -> Any:
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    return x
 
 
 def out_files(out: Path) -> list[Path]:
@@ -300,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         result_line(a.out, a.step, False, error=f"{type(e).__name__}: {e}"[:500])
         return 1
     ok = bool(res.pop("ok"))
+    res["seconds"] = time.monotonic() - started  # the step's own time, its imports included
     print(json.dumps(result_line(a.out, a.step, ok, **res)))
     return 0 if ok else 1
 

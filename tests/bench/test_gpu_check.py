@@ -21,7 +21,9 @@ from gpu_check import MAX_OUT_FILES, STEPS, out_files, result_line  # noqa: E402
 
 
 def test_each_step_appends_one_json_line(tmp_path: Path) -> None:
-    result_line(tmp_path, "parity", True, loss_trace_max_diff=1.23456789e-7, codecs={"fp16": 1.0})
+    result_line(
+        tmp_path, "parity", True, loss_trace_max_diff=1.23456789e-7, codecs={"fp16": 0.123456789}
+    )
     result_line(tmp_path, "serve", False, error="boom")
     lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert lines == [
@@ -29,7 +31,7 @@ def test_each_step_appends_one_json_line(tmp_path: Path) -> None:
             "step": "parity",
             "status": "pass",
             "loss_trace_max_diff": 1.23457e-7,
-            "codecs": {"fp16": 1.0},
+            "codecs": {"fp16": 0.123457},
         },
         {"step": "serve", "status": "fail", "error": "boom"},
     ]
