@@ -106,7 +106,7 @@ class RecstackModel:
             raise RuntimeError("the trainer installed no pipelined input distribution")
         self.emb.forward_codec = self.emb.backward_codec = case.codec
         batches = self.loader(start, n, self.route if case.pipeline else None).iterate_epoch()
-        if case.pipeline:  # each batch's ids, distributed by the loader's thread, go to the collection with it
+        if case.pipeline:  # the loader's thread prepares each batch's ids, the training thread distributes them
             batches = self.trainer.input_pipeline.batches(batches)
         for batch in batches:
             yield self.trainer.train_step(batch)

@@ -124,7 +124,8 @@ def make_data(sizes: list[int], batch: int, num_batches: int, seed: int) -> list
 class DenseFloor:
     """recstack's MLPs and interaction (copies) trained on ready-made embeddings: the cost of the dense part."""
 
-    def __init__(self, model: torch.nn.Module, batch: int, num_features: int, dim: int, seed: int) -> None:
+    def __init__(self, model: torch.nn.Module, batch: int, num_features: int, dim: int, seed: int,
+                 device: torch.device | str = "cpu") -> None:
         self.bottom = copy.deepcopy(model.bottom)
         self.interaction = copy.deepcopy(model.interaction)
         self.top = copy.deepcopy(model.top)
@@ -132,7 +133,8 @@ class DenseFloor:
         self.optimizer = torch.optim.SGD(params, lr=LR)
         gen = torch.Generator().manual_seed(seed)
         self.emb = [
-            (torch.randn(batch, num_features, dim, generator=gen) * 0.05).requires_grad_() for _ in range(4)
+            (torch.randn(batch, num_features, dim, generator=gen) * 0.05).to(device).requires_grad_()
+            for _ in range(4)
         ]  # [B, F, D] leaves, so backward reaches the embedding input as in the full models
 
     def step(self, i: int, dense: torch.Tensor, labels: torch.Tensor) -> float:
@@ -146,6 +148,39 @@ class DenseFloor:
         return loss.item()
 
 
+class StepKinds:
+    """The three timed models at one batch size on ``device`` (tables capped at ``max_rows``), and their
+    inputs on that device: ``step(kind, i)`` runs step ``i`` of ``kind`` (one of ``KINDS``)."""
+
+    def __init__(self, batch: int, seed: int = 0, device: torch.device | str = "cpu", max_rows: int = MAX_ROWS,
+                 threads: int = 0, num_batches: int | None = None) -> None:
+        sizes = capped_table_sizes(KAGGLE_CARDINALITIES, max_rows)
+        cfg = kaggle_config()
+        cfg.train.batch_size, cfg.train.threads, cfg.train.seed = batch, threads, seed
+        cfg.train.device, cfg.model.max_table_size = str(device), max_rows
+        with tempfile.TemporaryDirectory(prefix="recstack-bench-") as tmp:
+            self.trainer = make_trainer(cfg, KAGGLE_CARDINALITIES, Path(tmp) / "data")
+        self.trainer.model.train()
+        torch.manual_seed(seed)
+        self.base = BaselineDLRM(NUM_DENSE, sizes, cfg.model.embedding_dim, cfg.model.bottom_mlp,
+                                 cfg.model.top_mlp).to(device)
+        self.base.train()
+        self.base_opt = make_optimizer(self.base, LR)
+        self.floor = DenseFloor(self.trainer.model, batch, len(sizes), cfg.model.embedding_dim, seed, device)
+        data = make_data(sizes, batch, num_batches or max(8, 65536 // batch), seed + 1)
+        self.data = [{k: (v.to(device) if not isinstance(v, list) else [t.to(device) for t in v])
+                      for k, v in d.items()} for d in data]
+
+    def step(self, kind: str, i: int) -> None:
+        d = self.data[i % len(self.data)]
+        if kind == "recstack":
+            self.trainer.train_step(d["batch"])
+        elif kind == "baseline":
+            train_step(self.base, self.base_opt, d["dense"], d["ids"], d["offsets"], d["labels"])
+        else:
+            self.floor.step(i, d["dense"], d["labels"])
+
+
 def run_config(
     batch: int, threads: int, rounds: int, window_s: float, seed: int = 0, clock: str = "wall"
 ) -> dict[str, Any]:
@@ -156,34 +191,15 @@ def run_config(
     """
     now = time.perf_counter if clock == "wall" else time.process_time
     torch.set_num_threads(threads)
-    sizes = capped_table_sizes(KAGGLE_CARDINALITIES, MAX_ROWS)
-    cfg = kaggle_config()
-    cfg.train.batch_size, cfg.train.threads, cfg.train.seed = batch, threads, seed
     t0 = time.perf_counter()
-    tmp = tempfile.TemporaryDirectory(prefix="recstack-bench-")
-    trainer = make_trainer(cfg, KAGGLE_CARDINALITIES, Path(tmp.name) / "data")
-    model = trainer.model
-    model.train()
-    torch.manual_seed(seed)
-    base = BaselineDLRM(NUM_DENSE, sizes, cfg.model.embedding_dim, cfg.model.bottom_mlp, cfg.model.top_mlp)
-    base.train()
-    base_opt = make_optimizer(base, LR)
-    floor = DenseFloor(model, batch, len(sizes), cfg.model.embedding_dim, seed)
-    data = make_data(sizes, batch, max(8, 65536 // batch), seed + 1)
+    kinds = StepKinds(batch, seed, threads=threads)
     build_s = time.perf_counter() - t0
 
     counters = dict.fromkeys(KINDS, 0)
 
     def one(kind: str) -> None:
-        i = counters[kind]
         counters[kind] += 1
-        d = data[i % len(data)]
-        if kind == "recstack":
-            trainer.train_step(d["batch"])
-        elif kind == "baseline":
-            train_step(base, base_opt, d["dense"], d["ids"], d["offsets"], d["labels"])
-        else:
-            floor.step(i, d["dense"], d["labels"])
+        kinds.step(kind, counters[kind] - 1)
 
     # Warm-up, then size each window so that it lasts about ``window_s`` for every kind.
     steps: dict[str, int] = {}
@@ -205,7 +221,6 @@ def run_config(
                 one(kind)
             per_round[kind].append((now() - t) / steps[kind])
 
-    tmp.cleanup()
     step_s = {k: statistics.median(v) for k, v in per_round.items()}
     rs, bl, fl = per_round["recstack"], per_round["baseline"], per_round["floor"]
     return {

@@ -14,7 +14,8 @@ Codec = Literal["fp32", "fp16", "bf16", "fp8", "int8", "eb"]
 
 @dataclass
 class DistConfig:
-    """Hybrid-parallel training under ``torchrun`` (ignored in a single process).
+    """Hybrid-parallel training under ``torchrun`` (ignored in a single process); each rank runs on
+    ``train.device`` (auto: a GPU of its own where there are enough; ``parallelize.rank_device``).
 
     ``plan`` is a sharding-plan JSON (``recstack plan --out``); without one every table gets ``sharding``
     (table_wise tables are dealt round-robin over the ranks). ``train.batch_size`` is per rank.
@@ -28,6 +29,9 @@ class DistConfig:
     timeout_s: float = 300.0
     ranks_per_node: int = 0  # 0 = LOCAL_WORLD_SIZE from torchrun
     pipeline: bool = True  # distribute the next batch's ids while the current batch computes
+    # auto: NCCL where every rank of a node has a GPU of its own, else gloo (gloo takes CUDA tensors: ranks can
+    # share a GPU); nccl: a ConfigError where it cannot start (no GPU, or ranks sharing one)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
 
     def validate(self) -> None:
         """Ranges; each ConfigError names the field."""

@@ -37,32 +37,64 @@ def is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, torch.distributed.DistError) or any(s in str(e).lower() for s in _PEER_SIGNS)
 
 
-def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
-    """Join the job started by torchrun (env:// rendezvous): NCCL with one GPU per process when CUDA is
-    available, gloo on CPU otherwise. ``timeout_s`` bounds every collective, so if a rank dies the others
-    fail with an error instead of hanging (on the default group here; every group recstack makes later gets the
-    same bound). NCCL enforces it with its watchdog: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (default 3) makes a
-    rank whose collective timed out tear itself down, since the CPU may be blocked on the GPU stream where no
-    Python error can reach it. -> (rank, world size, device)."""
-    use_cuda = torch.cuda.is_available()
+def init_distributed(d: DistConfig, device_name: str = "auto") -> tuple[int, int, torch.device]:
+    """Join the job started by torchrun (env:// rendezvous) on the backend ``dist.backend`` picks
+    (``choose_backend``), each rank on its device (``rank_device``: ``train.device``, a GPU of its own where
+    there are enough). ``dist.timeout_s`` bounds every collective, so if a rank dies the others fail with an
+    error instead of hanging (on the default group here; every group recstack makes later gets the same
+    bound). NCCL enforces it with its watchdog: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (default 3) makes a rank
+    whose collective timed out tear itself down, since the CPU may be blocked on the GPU stream where no Python
+    error can reach it. -> (rank, world size, device)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    device = rank_device(device_name, local_rank)
+    backend = choose_backend(d.backend, device, device_name, local_world)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         # torch's default; 0 (no handling) would let a timed-out NCCL collective hang the rank for ever
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     if not dist.is_initialized():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = datetime.timedelta(seconds=d.timeout_s)
         # torchrun's agent hosts the store and keeps it across restarts (--max-restarts); without a prefix per
         # attempt, the restarted workers would find the dead workers' addresses for every process group.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                               is_master=rank == 0 and not agent_store, timeout=timeout)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.PrefixStore(
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(
             f"recstack/attempt_{attempt}", store), rank=rank, world_size=world, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def rank_device(device_name: str, local_rank: int) -> torch.device:
+    """``train.device`` under torchrun -> this rank's device: auto = CUDA where there is one, else the CPU; a
+    CUDA device without an index = GPU ``local_rank`` (modulo the GPUs here: ranks beyond them share them);
+    ``cuda:N`` = that GPU for every rank."""
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return device
+
+
+def choose_backend(backend: str, device: torch.device, device_name: str, local_world: int) -> str:
+    """``dist.backend`` -> the backend started: auto = NCCL when every rank of this node has a GPU of its own,
+    else gloo (which takes CUDA tensors too, so ranks can share a GPU: tests, the device check). NCCL refuses
+    two ranks on one GPU, so asking for it then is a ConfigError naming the field."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    shared = device.type == "cuda" and local_world > 1 and (local_world > gpus or ":" in device_name)
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" and not shared else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(f'dist.backend = "nccl": needs a CUDA device, but the ranks run on {device} '
+                          '(train.device, or no GPU here); use "gloo" or "auto"')
+    if backend == "nccl" and shared:
+        raise ConfigError(f'dist.backend = "nccl": the {local_world} ranks of this node share '
+                          f'{"one GPU" if ":" in device_name else f"{gpus} GPU(s)"} and NCCL takes one GPU per '
+                          'rank; use "gloo" (or "auto") to share')
+    return backend
 
 
 def shard_model(

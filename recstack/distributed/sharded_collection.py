@@ -15,8 +15,9 @@ one process with batch W*B. A rank may have no samples (B = 0: the last, short e
 takes part in every collective; a row shard may hold no rows (row blocks of ceil(rows / k) rows leave the
 last ones empty for small tables): it gets no ids and its partial sums are zero.
 
-Step 1 is ``input_dist`` (-> ``RoutedIds``); forward runs it itself unless the input pipeline
-(``recstack.distributed.pipeline``) ran it ahead for this very batch and handed the result over with
+Step 1 is ``input_dist`` (-> ``RoutedIds``: ``prepare_input``, local, then ``exchange_input``, the collective;
+``recstack.distributed.input_dist``); forward runs it itself unless the input pipeline
+(``recstack.distributed.pipeline``) ran it a batch ahead for this very batch and handed the result over with
 ``use_routed`` (TorchRec's input_dist / compute / output_dist split). The local shards live in collections made
 by a factory (``local_collection``; fused in memory by default) and drawn with the rows the whole tables have
 there (``init_block``), one chunk at a time: the model's own collection can be a shape-only one on the
@@ -28,7 +29,6 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -37,9 +37,8 @@ import torch.distributed as dist
 from recstack.compression.base import Codec
 from recstack.data.batch import SparseFeatures
 from recstack.distributed import agreement
-from recstack.distributed import grad_aggregation as ga
-from recstack.distributed.comm import CommStats, PooledExchange, all_to_all_variable
-from recstack.distributed.grad_aggregation import GradGroups
+from recstack.distributed.comm import CommStats, PooledExchange
+from recstack.distributed.input_dist import PreparedInput, RoutedIds, exchange_input, prepare_input
 from recstack.distributed.planner.inputs import TableSpec
 from recstack.distributed.planner.plan import PlanPlacements
 from recstack.distributed.sharding import Shard, table_shards
@@ -62,20 +61,6 @@ def fused_local(groups: list[LocalGroup], optimizer: SparseOptimizerConfig,
                 device: torch.device) -> list[EmbeddingCollection]:
     """The default local collections: every local shard in memory on ``device``."""
     return [FusedEmbeddingBagCollection(tables, optimizer, device=device, init=init) for tables, init in groups]
-
-
-@dataclass(frozen=True)
-class RoutedIds:
-    """The input distribution of one batch, what ``forward`` needs besides it: the batch size of every rank,
-    (ids, lengths) of each pair this rank owns over all ranks' samples, their per-id weights, and with
-    ``aggregate_gradients`` the backward exchange's (send, receive) id groups per [rank][chunk]. ``ids`` is
-    the batch's own id tensor, so that forward can check it is given the batch these were routed for."""
-
-    ids: torch.Tensor
-    batch_sizes: list[int]
-    pairs: list[tuple[torch.Tensor, torch.Tensor]]
-    weights: list[torch.Tensor | None]
-    grad_groups: GradGroups | None
 
 
 class _GatherPieces(torch.autograd.Function):
@@ -168,7 +153,6 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.ids_group = dist.new_group(timeout=timeout)
         self.out_group = dist.new_group(timeout=timeout)
         self.dp_group = dist.new_group(timeout=timeout)
-        self.pipeline_group = dist.new_group(timeout=timeout)  # input distribution run ahead from the loader thread
         self.stats = CommStats()
         self.forward_codec, self.backward_codec = forward_codec, backward_codec
         self.aggregate_gradients = aggregate_gradients
@@ -247,68 +231,22 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                                                                self.dp_group, self.stats)
 
     # -- forward -----------------------------------------------------------------------------------------
-    def input_dist(self, sparse: SparseFeatures, group: dist.ProcessGroup | None = None) -> RoutedIds:
-        """Collective on ``group`` (default: the forward's own): send each pair's ids of this rank's samples to
-        the pair's owner. The input pipeline calls it ahead, from the loader's thread, on ``pipeline_group``."""
-        group = group or self.ids_group
-        b = sparse.batch_size
-        lengths = sparse.lengths.view(sparse.num_features, b)  # [F, B]
-        starts = sparse.feature_bounds.tolist()  # [F + 1] (B may be 0: the last, short evaluation batch)
-        send_ids, send_w = [], []
-        send_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, lengths) of every piece sent, rank-major
-        for r in range(self.world):
-            lens, ids, ws = [], [], []
-            for f, s in self.pairs[r]:
-                fid = sparse.ids[starts[f] : starts[f + 1]]
-                fw = sparse.weights[starts[f] : starts[f + 1]] if sparse.weights is not None else None
-                if s.combine == "sum":  # row shard: only the ids in its rows, renumbered from 0
-                    keep = (fid >= s.row0) & (fid < s.row1)
-                    bag = torch.repeat_interleave(torch.arange(b, device=fid.device), lengths[f])
-                    lens.append(torch.bincount(bag[keep], minlength=b))
-                    ids.append(fid[keep] - s.row0)
-                    ws.append(fw[keep] if fw is not None else None)
-                else:
-                    lens.append(lengths[f])
-                    ids.append(fid)
-                    ws.append(fw)
-            send_pieces.extend(zip(ids, lens, strict=True))
-            head = torch.tensor([b], dtype=torch.int64, device=sparse.ids.device)
-            send_ids.append(torch.cat([head, *lens, *ids]))
-            if sparse.weights is not None:
-                send_w.append(torch.cat([w for w in ws if w is not None]) if ws else sparse.weights[:0])
-        recv = all_to_all_variable(send_ids, group, self.stats, "input_dist")
-        recv_w = (all_to_all_variable(send_w, group, self.stats, "input_dist")
-                  if sparse.weights is not None else [None] * self.world)
-        n = len(self.pairs[self.rank])
-        batch_sizes = [int(m[0]) for m in recv]
-        pair_ids: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        pair_lens: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        pair_w: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        for r, m in enumerate(recv):
-            br, wr = batch_sizes[r], recv_w[r]
-            got_lens = m[1 : 1 + n * br].view(n, br)
-            counts = got_lens.sum(1).tolist()
-            got_ids = torch.split(m[1 + n * br :], counts)
-            got_w = torch.split(wr, counts) if wr is not None else None
-            for p in range(n):
-                pair_lens[p].append(got_lens[p])
-                pair_ids[p].append(got_ids[p])
-                if got_w is not None:
-                    pair_w[p].append(got_w[p])
-        ids_out = [torch.cat(x) if x else torch.zeros(0, dtype=torch.int64) for x in pair_ids]
-        lens_out = [torch.cat(x) if x else torch.zeros(0, dtype=torch.int64) for x in pair_lens]
-        w_out: list[torch.Tensor | None] = [torch.cat(x) for x in pair_w] if sparse.weights is not None else [None] * n
-        groups = None
-        # Grouping is skipped under no_grad (evaluation), never by self.training: the loader thread may route a
-        # training batch while the main thread evaluates, and every rank must group the same batches.
-        if self.aggregate_gradients and torch.is_grad_enabled():
-            weighted = sparse.weights is not None
-            sent = ga.send_groups(send_pieces, weighted)  # this rank's samples, per owner and pair
-            served = ga.receive_groups([(pair_ids[p][r], pair_lens[p][r]) for r in range(self.world)
-                                        for p in range(n)], weighted)  # the owner side: ids it got from each rank
-            per_owner = [len(self.pairs[r]) for r in range(self.world)]
-            groups = (_nest(sent, per_owner), _nest(served, [n] * self.world))
-        return RoutedIds(sparse.ids, batch_sizes, list(zip(ids_out, lens_out, strict=True)), w_out, groups)
+    def prepare_input(self, sparse: SparseFeatures) -> PreparedInput:
+        """What this rank sends in the input distribution of ``sparse`` (``input_dist.prepare_input``): local
+        work, no collective; the input pipeline runs it in the loader's thread, a batch ahead."""
+        return prepare_input(sparse, self.pairs)
+
+    def exchange_input(self, prep: PreparedInput) -> RoutedIds:
+        """Collective on ``ids_group``, from the training thread only (every rank issues its collectives in one
+        program order): send each pair's ids of this rank's samples to the pair's owner. The gradient groups
+        (``aggregate_gradients``) are made only with grad enabled, so evaluation batches get none."""
+        groups = self.aggregate_gradients and torch.is_grad_enabled()
+        return exchange_input(prep, self.pairs, self.ids_group, self.stats, groups)
+
+    def input_dist(self, sparse: SparseFeatures) -> RoutedIds:
+        """Both halves at once (``prepare_input``, then ``exchange_input``): what forward does without the
+        input pipeline."""
+        return self.exchange_input(self.prepare_input(sparse))
 
     def _group_inputs(self, routed: RoutedIds) -> dict[str, SparseFeatures]:
         """The input of each local collection: the ids of its pairs over every rank's samples."""
@@ -474,13 +412,3 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 s = self.shards[t][si]
                 full[s.row0 : s.row1, s.col0 : s.col1] = w
         return full
-
-
-def _nest(flat: list, sizes: list[int]) -> list[list]:
-    """A flat list -> consecutive sublists of the given sizes."""
-    out, pos = [], 0
-    for n in sizes:
-        out.append(flat[pos : pos + n])
-        pos += n
-    return out
-

@@ -33,7 +33,8 @@ class _GramPairs(torch.autograd.Function):
         sym = padded.index_select(1, spread).view(b, n, n)  # G + G^T, except the diagonal holds G only
         if ctx.diagonal:
             sym.diagonal(dim1=1, dim2=2).mul_(2.0)  # d(t_i . t_i) / dt_i = 2 t_i
-        return torch.bmm(sym, t), None, None, None
+        # under bf16 autocast the forward's product (so grad) is bf16 while t kept its dtype
+        return torch.bmm(sym.to(t.dtype), t), None, None, None
 
 
 class DotInteraction(nn.Module):

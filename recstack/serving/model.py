@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.export.passes import move_to_device_pass
 
 from recstack.data.batch import SparseFeatures
 from recstack.embedding.qr import QRSplit
@@ -127,13 +128,15 @@ def check_program_pickle_free(path: Path) -> None:
 
 
 def load_program(path: Path, device: torch.device) -> torch.nn.Module:
-    """The exported dense program as a module on ``device``, after ``check_program_pickle_free``."""
+    """The exported dense program as a module on ``device``, after ``check_program_pickle_free``. The program
+    is moved by torch.export's ``move_to_device_pass``, not by ``Module.to``: a program traced on the CPU holds
+    ``device=cpu`` in the operators that make tensors (the QR combine's identity row), which ``.to`` leaves."""
     check_program_pickle_free(path)
     try:
         ep = torch.export.load(path)
     except Exception as e:  # a damaged archive raises many kinds of errors
         raise ArtifactError(f"{path}: torch.export.load failed ({type(e).__name__}: {e})") from e
-    return ep.module().to(device)
+    return move_to_device_pass(ep, device).module()
 
 
 class ServingModel:

@@ -94,6 +94,11 @@ class TrainConfig:
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 = leave torch's default
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # float32 matrix products and convolutions on TF32 tensor cores (a GPU; 10-bit mantissa products, fp32 sums)
+    tf32: bool = False
+    # "bf16": the training step's forward under torch.autocast to bfloat16 (the matrix products of the MLPs and
+    # the interaction; lookups, optimizers and the loss stay fp32; evaluation runs in fp32); "none": fp32
+    autocast: Literal["none", "bf16"] = "none"
     progress: bool = True
     # The divergence guard (recstack.training.divergence): stop when a step's loss exceeds divergence_factor x the
     # mean of the last divergence_window steps' losses (at least ln 2); 0 = no level check (NaN/Inf still stop).

@@ -126,8 +126,8 @@ _BREAKDOWN = (
 def plot_comm_breakdown(metrics_jsonl: Path | str, out_png: Path | str, pipelined: bool = False) -> Path:
     """Stacked bars of the mean time per step in each phase over the run (one bar per log window).
 
-    With ``pipelined`` the input distribution runs in the loader thread, overlapped with compute, so it is
-    drawn but not subtracted from the step to get the compute time.
+    With ``pipelined`` the input distribution runs a batch ahead, before the step (in its wait for the batch),
+    so it is drawn but not subtracted from the step to get the compute time.
     """
     source, out = Path(metrics_jsonl), Path(out_png)
     rows = [r for r in read_jsonl(source) if r.get("kind") == "train" and r.get("time_step") is not None]

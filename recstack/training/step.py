@@ -5,6 +5,8 @@ Used by ``Trainer`` and by the ExFM streams (``recstack.exfm``), which run their
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +26,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def set_tf32(enabled: bool) -> None:
+    """``train.tf32``: float32 matrix products and cuDNN convolutions on TF32 tensor cores (CUDA only; the
+    CPU's kernels are unaffected). Process-wide, as torch's switches are."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def dense_autocast(device: torch.device, mode: str) -> contextlib.AbstractContextManager:
+    """``train.autocast``: "bf16" -> torch.autocast to bfloat16 on ``device``'s type (its matrix products run in
+    bf16, everything else as it is); "none" -> a context that does nothing."""
+    if mode == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def seed_everything(seed: int) -> None:
     """Python, NumPy and torch global RNGs (the dense layers' initialisation draws from torch's)."""
     random.seed(seed)
@@ -31,13 +48,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+_DENSE = {"sgd": "SGD", "adagrad": "Adagrad", "adam": "Adam"}  # optim.dense -> the class in torch.optim
+
+
 def build_dense_optimizer(optim: OptimConfig, params: list[torch.nn.Parameter] | list[dict]
                           ) -> torch.optim.Optimizer:
     """The dense optimizer (``optim.dense``), with torch's fused kernels (one pass over each parameter for the
-    whole update) on CPU and CUDA: for 0.4M DLRM parameters on one core, Adam takes 0.6 ms instead of 2.7 ms a
-    step, Adagrad 0.3 ms instead of 1.2 ms, SGD 0.14 ms instead of 0.16 ms. ``optim.dense_weight_decay`` is the
-    optimizers' ``weight_decay`` (L2 added to the gradient; 0 = off, the same update as without it)."""
-    fused = _fusable(params)
+    whole update) where the parameters' devices have them (``fused_where_supported``): for 0.4M DLRM parameters
+    on one core, Adam takes 0.6 ms instead of 2.7 ms a step, Adagrad 0.3 ms instead of 1.2 ms, SGD 0.14 ms
+    instead of 0.16 ms. ``optim.dense_weight_decay`` is the optimizers' ``weight_decay`` (L2 added to the
+    gradient; 0 = off, the same update as without it)."""
+    fused = fused_where_supported(optim.dense, params)
     wd = optim.dense_weight_decay
     if optim.dense == "sgd":
         return torch.optim.SGD(params, lr=optim.dense_lr, weight_decay=wd, fused=fused)
@@ -47,11 +68,28 @@ def build_dense_optimizer(optim: OptimConfig, params: list[torch.nn.Parameter] |
     return torch.optim.Adam(params, lr=optim.dense_lr, weight_decay=wd, fused=fused)
 
 
-def _fusable(params: list[torch.nn.Parameter] | list[dict]) -> bool | None:
-    """True when every parameter is a floating tensor on CPU or CUDA (what the fused kernels accept)."""
+def fused_where_supported(kind: str, params: list[torch.nn.Parameter] | list[dict]) -> bool | None:
+    """True when every parameter is a floating tensor on a device where torch has the fused kernel of optimizer
+    ``kind`` (``fused_kernel_runs``); else None (torch's default: foreach kernels where it can)."""
     flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
-    ok = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in flat)  # type: ignore[union-attr]
-    return True if ok and flat else None
+    if not flat or not all(p.is_floating_point() for p in flat):  # type: ignore[union-attr]
+        return None
+    devices = {str(p.device) for p in flat}  # type: ignore[union-attr]
+    return True if all(fused_kernel_runs(kind, d) for d in sorted(devices)) else None
+
+
+@functools.cache
+def fused_kernel_runs(kind: str, device: str) -> bool:
+    """Whether torch's fused ``kind`` optimizer steps a parameter on ``device``, asked of the installed torch
+    by one step on a one-element parameter there: which devices have which fused kernel changes between
+    releases (torch 2.11's fused Adagrad is CPU-only: on CUDA it raises at the first step)."""
+    p = torch.zeros(1, device=device, requires_grad=True)
+    p.grad = torch.zeros(1, device=device)
+    try:
+        getattr(torch.optim, _DENSE[kind])([p], lr=0.1, fused=True).step()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def optimizer_step(

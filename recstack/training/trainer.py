@@ -60,7 +60,15 @@ from recstack.training.evaluate import (
 )
 from recstack.training.logger import MetricsLogger
 from recstack.training.lr_schedule import LRScaler, LRSchedule
-from recstack.training.step import Progress, build_dense_optimizer, optimizer_step, resolve_device, seed_everything
+from recstack.training.step import (
+    Progress,
+    build_dense_optimizer,
+    dense_autocast,
+    optimizer_step,
+    resolve_device,
+    seed_everything,
+    set_tf32,
+)
 
 
 class Trainer:
@@ -75,9 +83,10 @@ class Trainer:
         if t.threads > 0:
             torch.set_num_threads(t.threads)
         seed_everything(t.seed)
+        set_tf32(t.tf32)
         self.rank, self.world, self.device = 0, 1, resolve_device(t.device)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun
-            self.rank, self.world, self.device = parallelize.init_distributed(cfg.dist.timeout_s)
+            self.rank, self.world, self.device = parallelize.init_distributed(cfg.dist, t.device)
         self.is_main = self.rank == 0
         self.output_dir = Path(output_dir) if output_dir else None
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
@@ -172,8 +181,8 @@ class Trainer:
     def _parallelize(self) -> None:
         """Under torchrun, the tables sharded by the plan (or ``dist.sharding``) and the dense part in DDP; then,
         for any world size, the loaders' transforms, set once (``recstack.distributed.pipeline``): the
-        quotient-remainder split and the cached tiers' prefetch hook in the loader thread, and with
-        ``dist.pipeline`` the ids distributed there too."""
+        quotient-remainder split, the cached tiers' prefetch hook and (a GPU) the staging copy in the loader
+        thread, and with ``dist.pipeline`` the id messages built there (exchanged in this thread, a batch ahead)."""
         d = self.cfg.dist
         if self.world > 1:
             self._shard()
@@ -245,7 +254,9 @@ class Trainer:
         """The mean BCE over the global batch's rows. Every rank's loss is averaged over the ranks (DDP for the
         dense part, 1/W in the tables' backward), so a rank whose share of a short global batch of G rows differs
         from G / W (or is empty) weighs its sum by W / G instead of taking its own mean."""
-        logits, g = self.net(batch), batch.global_rows
+        with dense_autocast(self.device, self.cfg.train.autocast):
+            logits = self.net(batch).float()  # the loss in fp32 also under bf16 autocast
+        g = batch.global_rows
         if g is None or g == batch.batch_size * self.world:
             return F.binary_cross_entropy_with_logits(logits, batch.labels)
         return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * (self.world / g)
@@ -274,7 +285,7 @@ class Trainer:
         m = self.monitor
         while p.step < self.total_steps and reached is None and p.target_step is None and m.stopped_step is None:
             epoch = self.train_loader.iterate_epoch(limit=self.total_steps - p.step)
-            for batch in self.input_pipeline.batches(epoch):
+            for batch in self.input_pipeline.batches(epoch, self.train_loader):
                 self.compression.begin_step(p.step)
                 lr_factor = self.lr.set_step(p.step) if self.lr is not None else None
                 started = time.perf_counter()

@@ -95,11 +95,12 @@ def test_init_on_cuda_takes_nccl_with_the_timeout_on_every_group(monkeypatch: py
     for name in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
         monkeypatch.delenv(name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     monkeypatch.setattr(dist, "new_group", new_group)
     try:
-        assert parallelize.init_distributed(cfg.timeout_s) == (0, 1, torch.device("cuda", 0))
+        assert parallelize.init_distributed(cfg) == (0, 1, torch.device("cuda", 0))
         from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 
         ShardedEmbeddingCollection(TABLES, SparseOptimizerConfig("rowwise_adagrad"),
@@ -112,7 +113,8 @@ def test_init_on_cuda_takes_nccl_with_the_timeout_on_every_group(monkeypatch: py
     assert [backend for backend, _ in asked] == ["nccl"] and asked[0][1]["timeout"] == timeout
     assert devices == [torch.device("cuda", 0)]
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == (preset or "3")
-    assert len(new_groups) == 4 and all(g.get("timeout") == timeout for g in new_groups), new_groups
+    # ids, pooled outputs, replicated tables
+    assert len(new_groups) == 3 and all(g.get("timeout") == timeout for g in new_groups), new_groups
 
 
 class _OnDevice:
@@ -136,9 +138,32 @@ def test_rng_state_restores_from_device_tensors() -> None:
     want = _draws()
     state["numpy"][1] = _OnDevice(state["numpy"][1])
     state["torch"] = _OnDevice(state["torch"])
-    state.pop("cuda", None)
+    state.pop("cuda_device", None)
     set_rng_state(state)
     assert _draws() == want
+
+
+@pytest.mark.parametrize("here,saved,want", [(0, "cuda_device", "own"), (1, 8, 1), (3, 2, None)])
+def test_rng_state_resumes_on_its_own_device_with_fewer_gpus(monkeypatch: pytest.MonkeyPatch, here: int,
+                                                             saved: str | int, want: str | int | None) -> None:
+    """A rank restores the CUDA generator of its own device only: from this version's one state, or from an
+    older checkpoint's state of every device the saving run saw, also when this run sees fewer (stand-ins
+    for CUDA: the calls are recorded)."""
+    state = {k: v for k, v in rng_state().items() if not k.startswith("cuda")}
+    restored: list[torch.Tensor] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: here)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("every device's state set"))
+    if saved == "cuda_device":
+        state["cuda_device"] = torch.full((4,), 7, dtype=torch.uint8)
+    else:
+        state["cuda"] = [torch.full((4,), i, dtype=torch.uint8) for i in range(int(saved))]
+    set_rng_state(state)
+    if want is None:
+        assert restored == []  # the saving run had no state for this device: the generator stays as seeded
+    else:
+        assert len(restored) == 1 and int(restored[0][0]) == (7 if want == "own" else want)
 
 
 @needs_cuda
@@ -154,18 +179,28 @@ def test_rng_state_restores_from_a_checkpoint_loaded_onto_the_gpu() -> None:
 
 
 def _recording_pipeline(tmp_path: Path, device: torch.device):  # type: ignore[no-untyped-def]
-    """An InputPipeline over a one-rank sharded collection whose ``input_dist`` records where it was called
-    (the device of the ids, the thread's current CUDA device), and a list of the batches split."""
+    """An InputPipeline over a one-rank sharded collection whose ``prepare_input`` records where it was called
+    (the device of the ids, the thread's current CUDA device, the thread) and whose ``exchange_input`` records
+    its thread, and a list of the batches split."""
+    import threading
+
+    from recstack.distributed.input_dist import PreparedInput, RoutedIds
     from recstack.distributed.pipeline import InputPipeline
-    from recstack.distributed.sharded_collection import RoutedIds, ShardedEmbeddingCollection
+    from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 
     class Recording(ShardedEmbeddingCollection):
         seen: list[tuple[str, int | None]] = []
+        threads: list[tuple[str, str]] = []
 
-        def input_dist(self, sparse: SparseFeatures, group: dist.ProcessGroup | None = None) -> RoutedIds:
+        def prepare_input(self, sparse: SparseFeatures) -> PreparedInput:
             current = torch.cuda.current_device() if torch.cuda.is_available() else None
             self.seen.append((str(sparse.ids.device), current))
-            return RoutedIds(sparse.ids, [sparse.batch_size], [], [], None)
+            self.threads.append(("prepare", threading.current_thread().name))
+            return PreparedInput(sparse.ids, [], None, [])
+
+        def exchange_input(self, prep: PreparedInput) -> RoutedIds:
+            self.threads.append(("exchange", threading.current_thread().name))
+            return RoutedIds(prep.ids, [1], [], [], None)
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     emb = Recording(TABLES[:2], SparseOptimizerConfig("sgd"), [("table_wise", [0])] * 2, device="meta")
@@ -190,16 +225,35 @@ def _batch():  # type: ignore[no-untyped-def]
     return Batch(torch.zeros(2, 1), SparseFeatures.from_dense_ids(torch.tensor([[1, 2], [0, 1]])), torch.zeros(2))
 
 
-def test_pipelined_input_routes_the_split_batch_on_the_device(tmp_path: Path) -> None:
-    """The loader thread moves the batch to the device, splits it and distributes its ids there; the main thread
-    hands the routed ids to the collection with the batch, once."""
+def test_pipelined_input_prepares_in_the_loader_thread_and_exchanges_in_the_training_thread(
+    tmp_path: Path,
+) -> None:
+    """The loader thread splits the batch, moves it to the device and builds its messages there, with no
+    collective; the training thread runs the exchange of each batch a batch ahead and hands its routed ids to the
+    collection as it yields it, once, with the loader's position just after it."""
     pipe, emb, split = _recording_pipeline(tmp_path, torch.device("meta"))
     try:
-        out = _in_thread(pipe.train_transform, _batch())
-        assert len(split) == 1 and split[0] is out and out.sparse.ids.device.type == "meta"
-        assert [d for d, _ in emb.seen] == ["meta"]
-        assert list(pipe.batches([out])) == [out] and emb._routed is not None and emb._routed.ids is out.sparse.ids
-        with pytest.raises(RuntimeError, match="without its routed ids"):  # a batch the thread did not route
+        first, second = (_in_thread(pipe.train_transform, _batch()) for _ in range(2))
+        assert [b.sparse.ids.device.type for b in split] == ["cpu", "cpu"]  # split on the host ids
+        assert first.sparse.ids.device.type == "meta" and [d for d, _ in emb.seen] == ["meta", "meta"]
+        loader = SimpleNamespace(position=0)  # the loader's position: batches read so far
+
+        def read(batches):  # type: ignore[no-untyped-def]
+            for i, b in enumerate(batches):
+                loader.position = i + 1
+                yield b
+
+        it = pipe.batches(read([first, second]), loader)  # type: ignore[arg-type]
+        # the second batch was read ahead, but a checkpoint after the first's step resumes with the second
+        assert next(it) is first and loader.position == 1
+        # both exchanged (the second a batch ahead) by this thread before the first was yielded
+        assert [t for t in emb.threads if t[0] == "exchange"] == [("exchange", "MainThread")] * 2
+        assert all(name != "MainThread" for kind, name in emb.threads if kind == "prepare")
+        assert emb._routed is not None and emb._routed.ids is first.sparse.ids
+        emb._routed = None  # what the first batch's forward does
+        assert next(it) is second and emb._routed.ids is second.sparse.ids and loader.position == 2
+        emb._routed = None
+        with pytest.raises(RuntimeError, match="did not stage"):  # a batch the loader's thread did not stage
             list(pipe.batches([_batch()]))
     finally:
         dist.destroy_process_group()
@@ -233,3 +287,30 @@ def test_tiered_prefetch_thread_runs_on_the_collections_gpu() -> None:
         assert tc._pool is not None and tc._pool.submit(torch.cuda.current_device).result() == 1
     finally:
         tc.close()
+
+
+@pytest.mark.parametrize("gpus,local_world,name,asked,want", [
+    (0, 2, "auto", "auto", ("cpu", "gloo")),
+    (2, 2, "auto", "auto", ("cuda:1", "nccl")),  # a GPU per rank
+    (1, 2, "auto", "auto", ("cuda:0", "gloo")),  # two ranks share the GPU: NCCL would refuse
+    (1, 2, "cuda", "gloo", ("cuda:0", "gloo")),
+    (2, 2, "cuda:0", "auto", ("cuda:0", "gloo")),  # every rank on cuda:0
+    (2, 2, "cpu", "auto", ("cpu", "gloo")),
+    (1, 2, "auto", "nccl", 'dist.backend = "nccl": the 2 ranks of this node share 1 GPU'),
+    (0, 2, "auto", "nccl", 'dist.backend = "nccl": needs a CUDA device'),
+])
+def test_dist_backend_and_the_ranks_device(monkeypatch: pytest.MonkeyPatch, gpus: int, local_world: int,
+                                           name: str, asked: str, want: tuple[str, str] | str) -> None:
+    """``dist.backend`` and ``train.device`` under torchrun, rank 1 of a node of ``local_world`` ranks and
+    ``gpus`` GPUs (stand-ins: the device count is all the choice reads)."""
+    from recstack.distributed.parallelize import choose_backend, rank_device
+    from recstack.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    device = rank_device(name, local_rank=1)
+    if isinstance(want, str):
+        with pytest.raises(ConfigError, match=want.replace("(", r"\(")):
+            choose_backend(asked, device, name, local_world)
+        return
+    assert (str(device), choose_backend(asked, device, name, local_world)) == want

@@ -169,7 +169,9 @@ class CompressionState:
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, NumPy legacy and torch (CPU, and CUDA when present) RNG states as weights_only-safe values."""
+    """Python, NumPy legacy and torch (CPU, and the current CUDA device's when there is one) RNG states as
+    weights_only-safe values. One CUDA state, not every visible device's: a rank draws on its own device only,
+    and a resume may see fewer devices than the run that saved."""
     py = random.getstate()
     np_state = cast(tuple[Any, ...], np.random.get_state())  # legacy (the default): the tuple form; stubs say dict
     out: dict[str, Any] = {
@@ -178,7 +180,7 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
+        out["cuda_device"] = torch.cuda.get_rng_state()
     return out
 
 
@@ -190,5 +192,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
     n = state["numpy"]
     np.random.set_state((n[0], n[1].cpu().numpy().astype(np.uint32), *n[2:]))
     torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    if not torch.cuda.is_available():
+        return
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"].cpu())
+    elif "cuda" in state:  # an older checkpoint: every device's state; this rank's device's, if it saved one
+        saved, here = state["cuda"], torch.cuda.current_device()
+        if here < len(saved):
+            torch.cuda.set_rng_state(saved[here].cpu())
