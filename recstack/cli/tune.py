@@ -77,11 +77,12 @@ def run(args: argparse.Namespace) -> None:
     given = [s.split("=", 1)[0].strip() for s in args.overrides]
     pinned = [p.key for p in searched.params if any(_overlap(p.key, g) for g in given)]
     searched = searched.without(set(pinned))
-    sets = (f"train.seed={args.seed}", *args.overrides)  # the command line's own train.seed wins
-    space.check(searched, recipe, list(sets))
+    sets, half_epoch = study.command_line_sets(args.seed, args.overrides)
+    space.check(searched, recipe, sets)
     out = Path(args.output_dir)
     check_writable(out, directory=True, inside=True)
-    spec = study.TuneSpec(recipe, out, sets, searched, budget, args.trials, args.jobs, args.seed, args.resume)
+    spec = study.TuneSpec(recipe, out, tuple(sets), searched, budget, args.trials, args.jobs, args.seed, args.resume,
+                          half_epoch)
     base_sets = study.base_overrides(spec)
     base = load_config(recipe, base_sets).to_dict()
     the_study = study.open_study(spec, base)

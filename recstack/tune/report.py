@@ -88,13 +88,13 @@ def write_best(study: optuna.Study, spec: TuneSpec, path: Path) -> FrozenTrial:
 def plot_study(study: optuna.Study, space: SearchSpace, out: Path) -> list[str]:
     """``history.png`` (every trial's validation AUC and the best so far) and ``importance.png`` (each
     searched key's importance, Optuna's PED-ANOVA); -> notes on what could not be drawn."""
-    notes = []
+    notes: list[str] = []
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot()
     done = [t for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     complete = [t for t in done if t.state == TrialState.COMPLETE]
     pruned = [t for t in done if t.state == TrialState.PRUNED and t.intermediate_values]
-    ax.scatter([t.number for t in complete], [t.value for t in complete], label="complete", zorder=3)
+    ax.scatter([t.number for t in complete], [t.value or 0.0 for t in complete], label="complete", zorder=3)
     ax.scatter([t.number for t in pruned], [max(t.intermediate_values.values()) for t in pruned], marker="x",
                color="grey", label="pruned (its best when pruned)")
     best, xs, ys = -math.inf, [], []
@@ -134,7 +134,7 @@ def retrain_seeds(best_toml: Path, out: Path, seeds: list[int], jobs: int, log: 
     """Train ``best_toml`` once per seed into ``out/<seed>`` (up to ``jobs`` at once) -> the validation AUCs
     of the models they keep, with their mean, min and max."""
     threads = max(1, cpu_cores() // jobs)
-    pending, running, aucs = list(seeds), {}, {}
+    pending, running, aucs = list(seeds), dict[int, TrialRun](), dict[int, float]()
     while pending or running:
         while pending and len(running) < jobs:
             seed = pending.pop(0)

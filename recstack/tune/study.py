@@ -54,6 +54,16 @@ class TuneSpec:
     jobs: int = 1
     seed: int = 0
     resume: bool = False
+    half_epoch_eval: bool = True  # every trial evaluates every half epoch (else at the sets' train.eval_every)
+
+
+def command_line_sets(seed: int, overrides: list[str]) -> tuple[list[str], bool]:
+    """The overrides every trial takes from the command line: ``--seed`` as train.seed (a --set of it wins),
+    then ``overrides`` -> (them, whether trials evaluate every half epoch). Unless ``overrides`` give
+    train.eval_every, each trial's is half an epoch at its batch size (``half_epoch_eval``); until then a
+    placeholder stands in, so that early stopping, which needs an interval, is checked as trials run it."""
+    half_epoch = not any(o.split("=", 1)[0].strip() == "train.eval_every" for o in overrides)
+    return [f"train.seed={seed}", *(["train.eval_every=1"] if half_epoch else []), *overrides], half_epoch
 
 
 def base_overrides(spec: TuneSpec) -> list[str]:
@@ -204,9 +214,8 @@ class Tuner:
         trial.set_user_attr("directory", str(directory))
         sampled = [p.override(trial.params[p.key]) for p in self.spec.space.params]
         overrides = [*self.sets, *sampled]
-        overrides.insert(len(self.sets), f"train.eval_every={half_epoch_eval(self.spec, overrides)}")
-        if any(s.split("=", 1)[0].strip() == "train.eval_every" for s in self.spec.sets):
-            overrides.pop(len(self.sets))  # the command line's own evaluation interval stands
+        if self.spec.half_epoch_eval:
+            overrides.insert(len(self.sets), f"train.eval_every={half_epoch_eval(self.spec, overrides)}")
         write_config(self.spec.recipe, overrides, directory / CONFIG_FILE)
         self.running[trial.number] = (trial, TrialRun(directory, self.threads), time.monotonic())
 
