@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from recstack.cli.args import positive_int
-from recstack.errors import ConfigError
+from recstack.errors import ConfigError, TuneError
 from recstack.io import check_writable
 from recstack.units import parse_duration
 
@@ -61,6 +61,8 @@ def _overlap(key: str, given: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> None:
+    from optuna.trial import TrialState
+
     from recstack.config import load_config
     from recstack.tune import report, space, study
 
@@ -95,10 +97,12 @@ def run(args: argparse.Namespace) -> None:
         f"{len(searched.params)} keys from {searched.source}"
         + (f" (pinned by --set: {', '.join(pinned)})" if pinned else "")
         + f"; {args.jobs} trial(s) at once; until {' or '.join(s for s in stop if s)}")
-    study.Tuner(spec, the_study, base_sets, log).run()
-    if not the_study.get_trials(deepcopy=False, states=(study.TrialState.COMPLETE,)):
-        from recstack.errors import TuneError
-
+    try:
+        study.Tuner(spec, the_study, base_sets, log).run()
+    except KeyboardInterrupt:
+        raise TuneError(f"interrupted: the running trials were ended and marked failed; {out / 'study.db'} "
+                        "keeps the others (--resume continues the study)") from None
+    if not the_study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         raise TuneError(f"no trial of the study in {out} completed")
     log(report.leaderboard(the_study, searched))
     report.write_trials_csv(the_study, searched, out / "trials.csv")

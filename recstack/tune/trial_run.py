@@ -41,6 +41,28 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+class EvalTail:
+    """The validation AUCs a growing ``metrics.jsonl`` gains, read as the trainer appends to it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0  # bytes read so far
+
+    def read(self) -> list[float]:
+        """The AUCs of the ``eval`` records completed since the last call (a line still being written waits
+        for the next call); an undefined AUC (one class in the validation rows) reads as 0.5, chance."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        self._offset += end
+        records = [json.loads(line) for line in chunk[:end].splitlines()]
+        return [0.5 if r.get("auc") is None else float(r["auc"]) for r in records if r.get("kind") == "eval"]
+
+
 class TrialRun:
     """``recstack train --config DIR/config.toml --output-dir DIR`` started in the background.
 
@@ -61,27 +83,12 @@ class TrialRun:
         with open(directory / LOG_FILE, "w") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, preexec_fn=_die_with_parent)
-        self._offset = 0  # bytes of metrics.jsonl read so far
+        self._evals = EvalTail(directory / METRICS_FILE)
         self.aucs: list[float] = []  # the validation AUC of every evaluation so far, in order
 
     def new_aucs(self) -> list[float]:
-        """The validation AUCs of the evaluations logged since the last call (complete lines only); an
-        undefined AUC (one class in the validation rows) reads as 0.5, a model no better than chance."""
-        path = self.directory / METRICS_FILE
-        try:
-            with open(path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next call
-        self._offset += end
-        new = []
-        for line in chunk[:end].splitlines():
-            record = json.loads(line)
-            if record.get("kind") == "eval":
-                auc = record.get("auc")
-                new.append(0.5 if auc is None else float(auc))
+        """The validation AUCs of the evaluations logged since the last call."""
+        new = self._evals.read()
         self.aucs += new
         return new
 

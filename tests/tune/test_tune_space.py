@@ -116,3 +116,17 @@ def test_check_names_the_key_of_a_choice_the_config_refuses(tmp_path: Path) -> N
     (tmp_path / "s.toml").write_text('[params]\n"train.batch_size" = {choices = [256, 0]}\n')
     with pytest.raises(ConfigError, match=r"s.toml: params.'train.batch_size': .*must be positive"):
         check(load_space(tmp_path / "s.toml"), RECIPES / "categorical.toml", [])
+
+
+def test_eval_tail_reads_complete_eval_lines_as_they_are_written(tmp_path: Path) -> None:
+    from recstack.tune.trial_run import EvalTail
+
+    path = tmp_path / "metrics.jsonl"
+    tail = EvalTail(path)
+    assert tail.read() == []  # not written yet
+    line = '{"step": 2, "kind": "eval", "time": 1.0, "auc": 0.71}\n'
+    path.write_text('{"step": 1, "kind": "train", "time": 0.5, "loss": 0.6}\n' + line[:20])
+    assert tail.read() == []  # a train record, and an eval record still being written
+    with path.open("a") as f:
+        f.write(line[20:] + '{"step": 4, "kind": "eval", "time": 2.0, "auc": null}\n')
+    assert tail.read() == [0.71, 0.5] and tail.read() == []
