@@ -34,32 +34,60 @@ def _complete(study: optuna.Study) -> list[FrozenTrial]:
 
 def leaderboard(study: optuna.Study, space: SearchSpace, top: int = 10) -> str:
     """The best ``top`` complete trials, and the count of trials per outcome."""
-    counts = {s: len(study.get_trials(deepcopy=False, states=(s,)))
-              for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
-    lines = [f"leaderboard ({counts[TrialState.COMPLETE]} complete, {counts[TrialState.PRUNED]} pruned, "
-             f"{counts[TrialState.FAIL]} failed):", "rank  trial  valid AUC  evals     time  parameters"]
+    counts = {
+        s: len(study.get_trials(deepcopy=False, states=(s,)))
+        for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    }
+    lines = [
+        f"leaderboard ({counts[TrialState.COMPLETE]} complete, "
+        f"{counts[TrialState.PRUNED]} pruned, "
+        f"{counts[TrialState.FAIL]} failed):",
+        "rank  trial  valid AUC  evals     time  parameters",
+    ]
     for rank, t in enumerate(_complete(study)[:top], 1):
         secs = t.duration.total_seconds() if t.duration else float("nan")
-        lines.append(f"{rank:>4}  {t.number:>5}  {t.value:.5f}  {t.user_attrs.get('evaluations', 0):>5}  "
-                     f"{secs:5.0f} s  {format_params(space, t.params)}"
-                     + ("  (the recipe)" if t.user_attrs.get("recipe") else ""))
+        lines.append(
+            f"{rank:>4}  {t.number:>5}  {t.value:.5f}  {t.user_attrs.get('evaluations', 0):>5}  "
+            f"{secs:5.0f} s  {format_params(space, t.params)}"
+            + ("  (the recipe)" if t.user_attrs.get("recipe") else "")
+        )
     return "\n".join(lines)
 
 
 def write_trials_csv(study: optuna.Study, space: SearchSpace, path: Path) -> None:
-    """One row per trial: its outcome, validation AUC (a pruned trial's: its running best when pruned),
-    evaluations, seconds, directory, then one column per searched key (the config value)."""
+    """One row per trial: its outcome, validation AUC (a pruned trial's: its running best when
+    pruned), evaluations, seconds, directory, then one column per searched key (its config
+    value)."""
     keys = [p.key for p in space.params]
     with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["number", "state", "valid_auc", "valid_logloss", "evaluations", "seconds", "directory",
-                    *keys])
+        w.writerow(
+            [
+                "number",
+                "state",
+                "valid_auc",
+                "valid_logloss",
+                "evaluations",
+                "seconds",
+                "directory",
+                *keys,
+            ]
+        )
         for t in study.get_trials(deepcopy=False):
-            value = t.value if t.state == TrialState.COMPLETE else (
-                max(t.intermediate_values.values()) if t.intermediate_values else None)
-            row = [t.number, t.state.name.lower(), value, t.user_attrs.get("valid_logloss"),
-                   t.user_attrs.get("evaluations"), round(t.duration.total_seconds(), 1) if t.duration else None,
-                   t.user_attrs.get("directory")]
+            value = (
+                t.value
+                if t.state == TrialState.COMPLETE
+                else (max(t.intermediate_values.values()) if t.intermediate_values else None)
+            )
+            row = [
+                t.number,
+                t.state.name.lower(),
+                value,
+                t.user_attrs.get("valid_logloss"),
+                t.user_attrs.get("evaluations"),
+                round(t.duration.total_seconds(), 1) if t.duration else None,
+                t.user_attrs.get("directory"),
+            ]
             by_key = {p.key: p for p in space.params}
             row += [_cell(by_key[k].value(t.params[k])) if k in t.params else None for k in keys]
             w.writerow(row)
@@ -67,15 +95,21 @@ def write_trials_csv(study: optuna.Study, space: SearchSpace, path: Path) -> Non
 
 def _cell(value: Any) -> Any:
     """A config value in trials.csv: numbers and strings as they are, lists and tables as JSON."""
-    return value if isinstance(value, bool | int | float | str) else json.dumps(value, separators=(",", ":"))
+    return (
+        value
+        if isinstance(value, bool | int | float | str)
+        else json.dumps(value, separators=(",", ":"))
+    )
 
 
 def write_best(study: optuna.Study, spec: TuneSpec, path: Path) -> FrozenTrial:
-    """``best.toml``: the best trial's complete config (data paths included), with where its model is."""
+    """``best.toml``: the best trial's complete config (data paths included), and where its
+    model is."""
     best = _complete(study)[0]
     directory = Path(best.user_attrs["directory"])
     header = [
-        f"# recstack tune: the best of {len(_complete(study))} complete trials on {spec.recipe}: trial "
+        f"# recstack tune: the best of {len(_complete(study))} complete trials on {spec.recipe}: "
+        "trial "
         f"{best.number}, validation AUC {best.value:.5f}.",
         f"# Its model (the best checkpoint, in checkpoints/best): {directory}",
         f"#   recstack eval --checkpoint {directory} --data TEST_DIR",
@@ -86,17 +120,31 @@ def write_best(study: optuna.Study, spec: TuneSpec, path: Path) -> FrozenTrial:
 
 
 def plot_study(study: optuna.Study, space: SearchSpace, out: Path) -> list[str]:
-    """``history.png`` (every trial's validation AUC and the best so far) and ``importance.png`` (each
-    searched key's importance, Optuna's PED-ANOVA); -> notes on what could not be drawn."""
+    """``history.png`` (every trial's validation AUC and the best so far) and ``importance.png``
+    (each searched key's importance, Optuna's PED-ANOVA); -> notes on what could not be drawn."""
     notes: list[str] = []
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot()
-    done = [t for t in study.get_trials(deepcopy=False) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    done = [
+        t
+        for t in study.get_trials(deepcopy=False)
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+    ]
     complete = [t for t in done if t.state == TrialState.COMPLETE]
     pruned = [t for t in done if t.state == TrialState.PRUNED and t.intermediate_values]
-    ax.scatter([t.number for t in complete], [t.value or 0.0 for t in complete], label="complete", zorder=3)
-    ax.scatter([t.number for t in pruned], [max(t.intermediate_values.values()) for t in pruned], marker="x",
-               color="grey", label="pruned (its best when pruned)")
+    ax.scatter(
+        [t.number for t in complete],
+        [t.value or 0.0 for t in complete],
+        label="complete",
+        zorder=3,
+    )
+    ax.scatter(
+        [t.number for t in pruned],
+        [max(t.intermediate_values.values()) for t in pruned],
+        marker="x",
+        color="grey",
+        label="pruned (its best when pruned)",
+    )
     best, xs, ys = -math.inf, [], []
     for t in sorted(complete, key=lambda t: t.number):
         best = max(best, t.value or -math.inf)
@@ -111,7 +159,8 @@ def plot_study(study: optuna.Study, space: SearchSpace, out: Path) -> list[str]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             imp = optuna.importance.get_param_importances(
-                study, evaluator=optuna.importance.PedAnovaImportanceEvaluator())
+                study, evaluator=optuna.importance.PedAnovaImportanceEvaluator()
+            )
     except (ValueError, RuntimeError) as e:  # too few trials for the estimate
         return [*notes, f"importance.png: not drawn ({e})"]
     fig = Figure(figsize=(7, 1 + 0.4 * max(1, len(imp))))
@@ -130,9 +179,11 @@ def _save(fig: Figure, path: Path) -> None:
         fig.savefig(tmp, format="png", dpi=100)
 
 
-def retrain_seeds(best_toml: Path, out: Path, seeds: list[int], jobs: int, log: Any) -> dict[str, Any]:
-    """Train ``best_toml`` once per seed into ``out/<seed>`` (up to ``jobs`` at once) -> the validation AUCs
-    of the models they keep, with their mean, min and max."""
+def retrain_seeds(
+    best_toml: Path, out: Path, seeds: list[int], jobs: int, log: Any
+) -> dict[str, Any]:
+    """Train ``best_toml`` once per seed into ``out/<seed>`` (up to ``jobs`` at once) -> the
+    validation AUCs of the models they keep, with their mean, min and max."""
     threads = max(1, cpu_cores() // jobs)
     pending, running, aucs = list(seeds), dict[int, TrialRun](), dict[int, float]()
     while pending or running:
@@ -153,11 +204,18 @@ def retrain_seeds(best_toml: Path, out: Path, seeds: list[int], jobs: int, log: 
             if status != 0:
                 for other in running.values():
                     other.stop()
-                raise TuneError(f"the retrain of best.toml with seed {seed} failed: {run.error_line()} "
-                                f"(log: {run.directory / 'train.log'})")
+                raise TuneError(
+                    f"the retrain of best.toml with seed {seed} failed: {run.error_line()} "
+                    f"(log: {run.directory / 'train.log'})"
+                )
             summary = run.summary()
             aucs[seed] = float((summary.get("best") or summary)["auc"])
             log(f"seed {seed}: valid AUC {aucs[seed]:.5f}  ({run.directory})")
     values = [aucs[s] for s in seeds]
-    return {"seeds": seeds, "valid_auc": values, "mean": statistics.fmean(values), "min": min(values),
-            "max": max(values)}
+    return {
+        "seeds": seeds,
+        "valid_auc": values,
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+    }

@@ -1,7 +1,8 @@
 """The search space of ``recstack tune``: which config keys a study samples, and over what.
 
-A space is a TOML file: the recipe's own is ``tune/<recipe name>`` beside it (``configs/recipes/tune/
-categorical.toml`` for ``configs/recipes/categorical.toml``); ``recstack tune --space FILE`` replaces it::
+A space is a TOML file: the recipe's own is ``tune/<recipe name>`` beside it
+(``configs/recipes/tune/categorical.toml`` for ``configs/recipes/categorical.toml``);
+``recstack tune --space FILE`` replaces it::
 
     # --set overrides every trial takes, after the recipe and before the command line's --set
     fixed = ['train.early_stopping={metric="auc", patience=3}']
@@ -10,12 +11,14 @@ categorical.toml`` for ``configs/recipes/categorical.toml``); ``recstack tune --
     "optim.sparse_lr" = {low = 0.01, high = 0.3, log = true}   # floats, log scale
     "train.batch_size" = {low = 128, high = 1024, step = 128}  # integers when low and high are
     "model.top_mlp" = {choices = [[256, 128, 1], [400, 400, 400, 1]]}  # any TOML values
-    # a section's key with tables as choices sets several keys together (the dot interaction needs the
-    # bottom MLP to end in the embedding dim)
-    "model" = {choices = [{embedding_dim = 8, bottom_mlp = [64, 8]}, {embedding_dim = 16, bottom_mlp = [64, 16]}]}
+    # a section's key with tables as choices sets several keys together (the dot interaction
+    # needs the bottom MLP to end in the embedding dim)
+    "model" = {choices = [{embedding_dim = 8, bottom_mlp = [64, 8]},
+                          {embedding_dim = 16, bottom_mlp = [64, 16]}]}
 
-Every key and value is checked against the typed config before the first trial (``check``): a key the config
-does not have, or a bound or choice it would refuse, is a ConfigError naming the file and the key.
+Every key and value is checked against the typed config before the first trial (``check``): a key
+the config does not have, or a bound or choice it would refuse, is a ConfigError naming the file
+and the key.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ _RANGE_FIELDS = {"low", "high", "log", "step"}
 
 @dataclass(frozen=True)
 class Param:
-    """One searched config key: ``choices`` (any TOML values), or a range [``low``, ``high``] of floats (of
-    integers when both bounds are) on a ``log`` scale or in ``step``s."""
+    """One searched config key: ``choices`` (any TOML values), or a range [``low``, ``high``] of
+    floats (of integers when both bounds are) on a ``log`` scale or in ``step``s."""
 
     key: str
     choices: tuple[Any, ...] = ()
@@ -53,30 +56,45 @@ class Param:
         return not self.choices and isinstance(self.low, int) and isinstance(self.high, int)
 
     def labels(self) -> list[bool | int | float | str]:
-        """The choices as optuna stores them: scalars as they are, lists and tables as their TOML text."""
-        return [c if isinstance(c, bool | int | float | str) else toml_value(c) for c in self.choices]
+        """The choices as optuna stores them: scalars as they are, lists and tables as their TOML
+        text."""
+        return [
+            c if isinstance(c, bool | int | float | str) else toml_value(c) for c in self.choices
+        ]
 
     def distribution(self) -> optuna.distributions.BaseDistribution:
-        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+        from optuna.distributions import (
+            CategoricalDistribution,
+            FloatDistribution,
+            IntDistribution,
+        )
 
         if self.choices:
             return CategoricalDistribution(self.labels())
         if self.is_int:
-            return IntDistribution(int(self.low), int(self.high), log=self.log, step=int(self.step or 1))
+            return IntDistribution(
+                int(self.low), int(self.high), log=self.log, step=int(self.step or 1)
+            )
         return FloatDistribution(self.low, self.high, log=self.log, step=self.step)
 
     def value(self, stored: Any) -> Any:
-        """The config value of what optuna stored for this key (a choice's label back to the choice)."""
+        """The config value of what optuna stored for this key (a choice's label back to the
+        choice)."""
         if self.choices:
             return self.choices[self.labels().index(stored)]
         return stored
 
     def stored(self, value: Any) -> Any | None:
-        """What optuna stores for the config value ``value``; None when the space does not hold it."""
+        """What optuna stores for the config value ``value``; None when the space does not hold
+        it."""
         if self.choices:
             found = [i for i, c in enumerate(self.choices) if _holds(value, c)]
             return self.labels()[found[0]] if found else None
-        if isinstance(value, bool) or not isinstance(value, int | float) or not self.low <= value <= self.high:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not self.low <= value <= self.high
+        ):
             return None
         return int(value) if self.is_int else float(value)
 
@@ -96,8 +114,8 @@ class Param:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """The searched keys (``params``, in file order), the overrides every trial takes (``fixed``) and the file
-    they come from (``source``, for messages)."""
+    """The searched keys (``params``, in file order), the overrides every trial takes (``fixed``)
+    and the file they come from (``source``, for messages)."""
 
     params: tuple[Param, ...]
     fixed: tuple[str, ...]
@@ -109,12 +127,14 @@ class SearchSpace:
 
     def without(self, keys: set[str]) -> SearchSpace:
         """The space less ``keys`` (those the command line's --set pins)."""
-        return SearchSpace(tuple(p for p in self.params if p.key not in keys), self.fixed, self.source)
+        return SearchSpace(
+            tuple(p for p in self.params if p.key not in keys), self.fixed, self.source
+        )
 
 
 def _holds(value: Any, choice: Any) -> bool:
-    """Whether the config value ``value`` is ``choice``: equal and of the same type, or for a table choice
-    (several keys of a section at once), a table holding each of its keys at its value."""
+    """Whether the config value ``value`` is ``choice``: equal and of the same type, or for a table
+    choice (several keys of a section at once), a table holding each of its keys at its value."""
     if isinstance(choice, dict):
         return isinstance(value, dict) and all(_holds(value.get(k), v) for k, v in choice.items())
     return type(value) is type(choice) and value == choice
@@ -135,17 +155,24 @@ def load_space(path: str | Path) -> SearchSpace:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r} (valid: fixed, params)")
     fixed = table.get("fixed", [])
     if not isinstance(fixed, list) or not all(isinstance(f, str) and "=" in f for f in fixed):
-        raise ConfigError(f"{where}: fixed: expected a list of \"section.key=value\" strings")
+        raise ConfigError(f'{where}: fixed: expected a list of "section.key=value" strings')
     params = table.get("params", {})
     if not isinstance(params, dict):
-        raise ConfigError(f"{where}: params: expected a table of config key -> {{low, high}} or {{choices}}")
-    return SearchSpace(tuple(_param(key, spec, f"{where}: params.{key!r}") for key, spec in params.items()),
-                       tuple(fixed), where)
+        raise ConfigError(
+            f"{where}: params: expected a table of config key -> {{low, high}} or {{choices}}"
+        )
+    return SearchSpace(
+        tuple(_param(key, spec, f"{where}: params.{key!r}") for key, spec in params.items()),
+        tuple(fixed),
+        where,
+    )
 
 
 def _param(key: str, spec: Any, where: str) -> Param:
     if isinstance(spec, dict) and any(isinstance(v, dict) for v in spec.values()):
-        raise ConfigError(f"{where}: a table of tables; quote the dotted config key (\"{key}.KEY\" = {{...}})")
+        raise ConfigError(
+            f'{where}: a table of tables; quote the dotted config key ("{key}.KEY" = {{...}})'
+        )
     if not isinstance(spec, dict) or not spec:
         raise ConfigError(f"{where}: expected {{low = ..., high = ...}} or {{choices = [...]}}")
     if "choices" in spec:
@@ -158,7 +185,9 @@ def _param(key: str, spec: Any, where: str) -> Param:
         return Param(key, choices=tuple(choices))
     unknown = sorted(set(spec) - _RANGE_FIELDS)
     if unknown:
-        raise ConfigError(f"{where}: unknown field {unknown[0]!r} (valid: low, high, log, step; or choices)")
+        raise ConfigError(
+            f"{where}: unknown field {unknown[0]!r} (valid: low, high, log, step; or choices)"
+        )
     low, high = spec.get("low"), spec.get("high")
     for name, v in (("low", low), ("high", high)):
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
@@ -171,18 +200,22 @@ def _param(key: str, spec: Any, where: str) -> Param:
         raise ConfigError(f"{where}: log: expected true or false, got {log!r}")
     if log and low <= 0:
         raise ConfigError(f"{where}: log = true needs low > 0, got {low}")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int | float) or step <= 0 or log):
+    if step is not None and (
+        isinstance(step, bool) or not isinstance(step, int | float) or step <= 0 or log
+    ):
         raise ConfigError(f"{where}: step: expected a number > 0 (and no log scale), got {step!r}")
     return Param(key, low=low, high=high, log=log, step=step)
 
 
 def check(space: SearchSpace, recipe: str | Path, sets: list[str]) -> None:
-    """Every fixed override, and every key at each of its bounds or choices, on top of the recipe and the
-    command line's ``sets``, must make a config the typed config accepts; else a ConfigError naming the space's
-    file and the key. An empty space is an error too."""
+    """Every fixed override, and every key at each of its bounds or choices, on top of the recipe
+    and the command line's ``sets``, must make a config the typed config accepts; else a
+    ConfigError naming the space's file and the key. An empty space is an error too."""
     if not space.params:
-        raise ConfigError(f"{space.source}: the search space is empty: no key of [params] is left to search "
-                          "(a key the command line's --set gives is not searched)")
+        raise ConfigError(
+            f"{space.source}: the search space is empty: no key of [params] is left to search "
+            "(a key the command line's --set gives is not searched)"
+        )
     try:
         load_config(recipe, [*space.fixed, *sets])
     except ConfigError as e:
