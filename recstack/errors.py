@@ -43,3 +43,8 @@ class ServiceFailure(RecstackError, RuntimeError):
     """A helper process recstack started and depends on (the ExFM data augmentation service) died."""
 
     exit_code = 3
+
+
+class TuneError(RecstackError, RuntimeError):
+    """A tuning study cannot go on: its first trial failed (the recipe, the data or the space is wrong for this
+    data), or its trials keep failing. The message names the trial and its log."""

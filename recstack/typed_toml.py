@@ -5,6 +5,7 @@ key; unknown keys are never silently ignored."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import types
 import typing
@@ -133,3 +134,38 @@ def _set_in_table(cfg: Any, keys: list[str], value: Any, text: str) -> bool:
             return True
         obj = current
     return False
+
+
+# ------------------------------------------------------------------------------------------------ writing
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+def toml_value(v: Any) -> str:
+    """``v`` (bool, int, float, str, list, dict) as a TOML literal; a dict is an inline table."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\t", "\\t").replace("\n", "\\n") + '"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{toml_key(k)} = {toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def toml_key(k: str) -> str:
+    """A key as TOML writes it: bare when it can be, else quoted."""
+    return k if _BARE_KEY.match(k) else toml_value(k)
+
+
+def to_toml(values: dict[str, Any]) -> str:
+    """TOML text of a config-shaped dict that ``tomllib`` reads back equal: top-level tables as ``[section]``
+    (a table inside one as an inline table), other top-level values first; empty tables are left out."""
+    lines = [f"{toml_key(k)} = {toml_value(v)}" for k, v in values.items() if not isinstance(v, dict)]
+    for section, table in values.items():
+        if isinstance(table, dict) and table:
+            lines += ["", f"[{toml_key(section)}]"]
+            lines += [f"{toml_key(k)} = {toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines).lstrip("\n") + "\n"

@@ -9,6 +9,8 @@ Two spellings are in use, each where its readers expect it:
   bandwidths with the prefixes ``k m g t p`` (decimal) or ``ki mi gi ti pi`` (binary), where ``B`` is a byte and
   ``b``/``bit``/``bits`` a bit (network gear is sold in bits), exactly (a Decimal); ``format_bytes(n,
   decimal=True)`` prints decimal units (``80.0 GB``), as device memory is sold.
+* durations (``recstack tune --time-budget 20m``): ``parse_duration`` takes seconds, or a number with ``s``,
+  ``m``, ``h`` or ``d``.
 
 No torch here: the planner and the config use it without loading it.
 """
@@ -68,3 +70,15 @@ def format_bytes(n: float, decimal: bool = False) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``"20m"``, ``"1.5h"``, ``"90s"``, ``"90"`` -> seconds. Raises ValueError for anything else."""
+    m = _DURATION.match(text)
+    if m is None:
+        raise ValueError(f"{text!r} is not a duration (seconds, or a number with s, m, h or d: 20m, 1.5h)")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]

@@ -4,7 +4,7 @@ module's own layer or one below it, and no two packages import each other (direc
 
 A package is the first component below ``recstack``; the base modules are one group. Layers, lowest first:
 base (errors, units, io, typed_toml, metrics, ``__init__``) < data < embedding < compression < models <
-distributed < training (with ``recstack/config.py``) < serving, exfm (one level: neither imports the other) < cli
+distributed < training (with ``recstack/config.py``) < serving, exfm, tune (one level: none imports another) < cli
 (with ``__main__``). A new package or top-level module is a failure until it is given a layer here.
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "recstack"
 LAYERS = [("base",), ("data",), ("embedding",), ("compression",), ("models",), ("distributed",), ("training",),
-          ("serving", "exfm"), ("cli",)]
+          ("serving", "exfm", "tune"), ("cli",)]
 LEVEL = {group: i for i, groups in enumerate(LAYERS) for group in groups}
 # Top-level modules -> their group (``recstack/<name>.py``).
 MODULES = {"__init__": "base", "errors": "base", "units": "base", "io": "base", "typed_toml": "base",

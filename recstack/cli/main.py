@@ -1,5 +1,5 @@
-"""The one command line: ``recstack train | eval | predict | data prepare | data synth | data inspect | plan |
-analyze-a2a | exfm | export | serve``."""
+"""The one command line: ``recstack train | tune | eval | predict | data prepare | data synth | data inspect |
+plan | analyze-a2a | exfm | export | serve``."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import sys
 from typing import NoReturn
 
 from recstack import __version__
-from recstack.cli import compression, data, evaluate, exfm, plan, serving, train
+from recstack.cli import compression, data, evaluate, exfm, plan, serving, train, tune
 from recstack.errors import PeerFailure, RecstackError
 from recstack.io import disk_error, os_error_in
 
-COMMAND_GROUPS = (train, evaluate, data, plan, compression, exfm, serving)  # each adds its commands, in --help order
+# each adds its commands, in --help order
+COMMAND_GROUPS = (train, tune, evaluate, data, plan, compression, exfm, serving)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,5 +50,10 @@ def recipe_for_prepared(report: PreparedReport) -> tuple[str, str]:
 
 
 def recipe_line(recipe: tuple[str, str]) -> str:
+    """Two lines: the recipe's train command, and the tune command that searches its options (its space in
+    ``configs/recipes/tune/``) on the user's validation split."""
     path, why = recipe
-    return f"suggested recipe ({why}): recstack train --config {path} --set data.train=... --set data.eval=..."
+    data = "--set data.train=... --set data.eval=..."
+    return (f"suggested recipe ({why}): recstack train --config {path} {data}\n"
+            f"or tune it on your validation data: recstack tune --config {path} --output-dir runs/tune {data} "
+            "--time-budget 20m")

@@ -7,7 +7,7 @@ import pytest
 
 from recstack.cli.main import main
 
-COMMANDS = ["train", "eval", "predict", "data", "plan", "analyze-a2a", "exfm", "export", "serve"]
+COMMANDS = ["train", "tune", "eval", "predict", "data", "plan", "analyze-a2a", "exfm", "export", "serve"]
 SUBCOMMANDS = [["data", "prepare"], ["data", "inspect"], ["data", "synth"], ["exfm", "run"], ["exfm", "movielens"]]
 
 

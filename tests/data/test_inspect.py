@@ -18,6 +18,7 @@ from recstack.data.prepare.inspect import Cardinality, inspect_file, inspect_pre
 from recstack.data.prepare.schema import LabelSpec, load_schema, schema_from_dict
 from recstack.data.prepare.schema_prepare import prepare_dataset
 from recstack.data.prepared_dataset import PreparedDataset
+from recstack.tune.space import space_path
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +145,12 @@ def test_inspect_suggests_the_recipe_of_the_layout(files: dict, tmp_path: Path,
     cases.append(([str(csv), "--schema", str(criteo_schema), "--rows", "20"], "configs/recipes/criteo.toml"))
     for args, recipe in cases:
         assert main(["data", "inspect", *args]) == 0
-        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("suggested recipe"))
+        lines = capsys.readouterr().out.splitlines()
+        line = next(x for x in lines if x.startswith("suggested recipe"))
         assert f"--config {recipe} " in line and (REPO / recipe).is_file()
+        tune = lines[lines.index(line) + 1]  # and the tune command beside it, with the recipe's search space
+        assert tune.startswith("or tune it") and f"recstack tune --config {recipe} " in tune
+        assert space_path(REPO / recipe).is_file()
 
 
 def test_criteo_layout_recipe_depends_on_the_row_count() -> None:

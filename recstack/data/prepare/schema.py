@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from recstack.data.prepare.columns import text_to_seconds
-from recstack.typed_toml import read_toml
+from recstack.typed_toml import read_toml, toml_value
 
 FORMATS = ("parquet", "csv", "tsv", "libfm")
 TRANSFORMS = ("none", "log1p", "standardize")
@@ -347,24 +347,6 @@ def detect_format(path: str | Path, spec: SourceSpec | None = None) -> str:
 
 
 # --------------------------------------------------------------------------------------------- writing
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\t", "\\t").replace("\n", "\\n") + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def _toml_key(k: str) -> str:
-    return k if _NAME.match(k) else _toml_value(k)
-
-
 def schema_to_toml(sch: Schema, comments: dict[str, str] | None = None) -> str:
     """TOML text that :func:`load_schema` reads back to an equal schema; ``comments`` (feature name ->
     text) are written above each feature, e.g. the statistics an inferred choice was based on."""
@@ -374,13 +356,13 @@ def schema_to_toml(sch: Schema, comments: dict[str, str] | None = None) -> str:
     for section in ("source", "label", "columns", "split"):
         if section in d:
             lines.append(f"[{section}]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in d[section].items() if v is not None]
+            lines += [f"{k} = {toml_value(v)}" for k, v in d[section].items() if v is not None]
             lines.append("")
     for kind in ("dense", "sparse"):
         for entry in d[kind]:
             if entry["name"] in comments:
                 lines.append(f"# {comments[entry['name']]}")
             lines.append(f"[[{kind}]]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in entry.items()]
+            lines += [f"{k} = {toml_value(v)}" for k, v in entry.items()]
             lines.append("")
     return "\n".join(lines)
