@@ -93,7 +93,7 @@ class SparseFeatureSpec:
         not a table size read from a string); a ValueError otherwise."""
         if not isinstance(entry, dict):
             raise ValueError(f"expected an object, got {type(entry).__name__} {entry!r:.80}")
-        values = {}
+        values: dict[str, Any] = {}
         for key, (kind, default) in _META_KEYS.items():
             if key not in entry and default is None:
                 raise ValueError(f"sparse feature {entry.get('name')!r}: no {key!r} key")
