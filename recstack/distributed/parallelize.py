@@ -18,6 +18,7 @@ from recstack.distributed.config import DistConfig
 from recstack.distributed.planner.inputs import PlanError, Topology
 from recstack.distributed.planner.plan import PlanPlacements, ShardingPlan
 from recstack.distributed.sharded_collection import LocalCollection, ShardedEmbeddingCollection, fused_local
+from recstack.distributed.startup import job_store, join_job
 from recstack.distributed.tiered_shards import row_bytes, tiered_local
 from recstack.embedding.collection import TableConfig
 from recstack.embedding.tiered.collection import TablePlacement
@@ -53,15 +54,10 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     if not dist.is_initialized():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        timeout = datetime.timedelta(seconds=timeout_s)
-        # torchrun's agent hosts the store and keeps it across restarts (--max-restarts); without a prefix per
-        # attempt, the restarted workers would find the dead workers' addresses for every process group.
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=rank == 0 and not agent_store, timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.PrefixStore(
-            f"recstack/attempt_{attempt}", store), rank=rank, world_size=world, timeout=timeout)
+        store, _ = job_store(timeout_s)
+        join_job(store, world, timeout_s)  # a rank that failed before joining stops this one with its error
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
 
 
