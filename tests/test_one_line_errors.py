@@ -144,3 +144,15 @@ def test_checkpoint_every_without_an_output_dir_is_said(tiny_dataset: Path) -> N
     assert res.returncode == 0, res.stderr[-3000:]
     assert ("recstack train: warning: train.checkpoint_every=1 but no --output-dir: no checkpoint (nor "
             "metrics.jsonl or summary.json) is saved") in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("damage", ["nested", "not UTF-8"])
+def test_a_damaged_table_file_for_plan_names_the_file(damage: str, tmp_path: Path) -> None:
+    tables = tmp_path / "tables.json"
+    if damage == "nested":
+        tables.write_text("[" * DEEP + "]" * DEEP)
+    else:
+        tables.write_bytes(b'[{"name": "caf\xe9", "rows": 10, "dim": 4}]')
+    line = one_line(["plan", "--tables", str(tables), "--dim", "4"])
+    want = "not valid JSON: nested too deeply" if damage == "nested" else ":1: not UTF-8 text"
+    assert f"{tables}" in line and want in line, line

@@ -25,6 +25,7 @@ from recstack.embedding.tiered.collection import TablePlacement
 from recstack.embedding.tiered.config import MemoryConfig
 from recstack.embedding.tiered.placement import memory_budgets_set
 from recstack.errors import ConfigError
+from recstack.io import read_text
 from recstack.metrics import BinaryMetrics
 from recstack.models.dlrm import DLRM
 
@@ -160,10 +161,7 @@ def placements_from_config(
     sharded collection is built (``PlanPlacements.check``)."""
     if dist_cfg.plan:
         path = Path(dist_cfg.plan)
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise PlanError(f"{path}: cannot read the sharding plan ({e})") from e
+        text = read_text(path, PlanError)  # unreadable or not UTF-8: an error naming the file
         per_node = dist_cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         nodes, rest = divmod(world_size, per_node) if per_node > 0 else (0, 1)
         job = Topology(nodes, per_node) if nodes and not rest else Topology(1, world_size)
