@@ -158,6 +158,8 @@ Round 3, part B: any input gives a result or one line (exit 2; 3 for a peer), ne
     test_one_line_errors.py::test_a_damaged_meta_json_names_the_file_and_key
 - a ``recstack plan --tables`` file nested 100,000 deep or not UTF-8 (also ``dist.plan``: the same reader):
     test_one_line_errors.py::test_a_damaged_table_file_for_plan_names_the_file
+- a ``recstack serve`` request body nested 30,000 deep (a RecursionError, HTTP 500 before):
+    serving/test_server.py::test_bad_requests_are_refused_naming_the_field
 - a top MLP of 10^8 units (an allocator error before):
     test_one_line_errors.py::test_an_absurd_mlp_width_is_an_error_before_allocating
 - a config typo on one rank only (the other rank: ``DistStoreError`` at the rendezvous timeout before):
