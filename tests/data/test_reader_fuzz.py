@@ -15,7 +15,8 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,15 +105,36 @@ def damaged(draw: st.DrawFn, sample: bytes) -> bytes:
     return bytes(data)
 
 
+RAN: Counter[str] = Counter()  # examples run per outcome, for the summary printed at the end (pytest -s)
+
+
+def outcome(call: Callable[[], Any]) -> None:
+    """``call()`` gives a result or raises a one-line RecstackError; any other exception fails the example."""
+    try:
+        call()
+    except RecstackError as e:
+        RAN["one-line error" if "\n" not in str(e).strip() else "other"] += 1
+        assert "\n" not in str(e).strip(), str(e)
+    except Exception:
+        RAN["other"] += 1
+        raise
+    else:
+        RAN["result"] += 1
+
+
 def survives(run: Callable[[Path], Any], data: bytes, name: str) -> None:
     """``run`` on a file holding ``data``: a result, or a RecstackError (one line); anything else fails."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / name
         path.write_bytes(data)
-        try:
-            run(path)
-        except RecstackError as e:
-            assert "\n" not in str(e).strip(), str(e)
+        outcome(lambda: run(path))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def summary() -> Iterator[None]:
+    yield
+    print(f"\nreader fuzz: {sum(RAN.values())} examples, {RAN['result']} results, {RAN['one-line error']} "
+          f"one-line errors, {RAN['other']} other outcomes (tracebacks or multi-line errors)")
 
 
 def _inspect(fmt: str) -> Callable[[Path], Any]:
@@ -205,10 +227,7 @@ def test_config_any_values() -> None:
     @FUZZ
     @given(st.lists(st.tuples(st.sampled_from(keys), toml_values), min_size=1, max_size=3))
     def check(sets: list[tuple[str, Any]]) -> None:
-        try:
-            load_config(None, [f"{k}={json.dumps(v)}" for k, v in sets])
-        except RecstackError as e:
-            assert "\n" not in str(e).strip(), str(e)
+        outcome(lambda: load_config(None, [f"{k}={json.dumps(v)}" for k, v in sets]))
     check()
 
 
@@ -221,8 +240,5 @@ def test_meta_json_any_bytes(tmp_path: Path) -> None:
     @given(damaged(meta))
     def check(data: bytes) -> None:
         (base / "meta.json").write_bytes(data)
-        try:
-            PreparedDataset(base)
-        except RecstackError as e:
-            assert "\n" not in str(e).strip(), str(e)
+        outcome(lambda: PreparedDataset(base))
     check()
