@@ -80,8 +80,9 @@ def atomic_write_text(path: str | Path, text: str, sync_dir: bool = True) -> Non
 
 
 def read_text(path: str | Path, error: type[Exception]) -> str:
-    """The UTF-8 text of the file at ``path``; text that is not UTF-8 (or a file that cannot be read) raises
-    ``error`` naming the file and where, instead of a ``UnicodeDecodeError`` that names neither."""
+    """The UTF-8 text of the file at ``path``; text that is not UTF-8 (or a file that cannot be
+    read) raises ``error`` naming the file and where, not a ``UnicodeDecodeError`` naming
+    neither."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -91,12 +92,14 @@ def read_text(path: str | Path, error: type[Exception]) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise error(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}; save the file as UTF-8)") from None
+        raise error(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}; save the file as "
+                    "UTF-8)") from None
 
 
 def read_json(path: str | Path, error: type[Exception]) -> Any:
-    """The JSON document in the file at ``path``; text that is not UTF-8, invalid JSON or JSON nested too deeply
-    for the parser (a crafted ``[[[[...``: a RecursionError otherwise) raises ``error`` naming the file."""
+    """The JSON document in the file at ``path``; text that is not UTF-8, invalid JSON or JSON
+    nested too deeply for the parser (a crafted ``[[[[...``: a RecursionError otherwise) raises
+    ``error`` naming the file."""
     text = read_text(path, error)
     try:
         return json.loads(text)

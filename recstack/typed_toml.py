@@ -102,7 +102,7 @@ def read_toml(path: str | Path, what: str, error: type[Exception]) -> dict[str, 
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise error(f"{p}: invalid TOML: {e}") from e
-    except RecursionError:  # arrays or inline tables nested thousands deep: tomllib recurses once per level
+    except RecursionError:  # nested thousands deep: tomllib recurses once per level
         raise error(f"{p}: invalid TOML: nested too deeply") from None
 
 

@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace) -> Config:
-    """The config of ``recstack train ARGS`` (file, --set, --dump-a2a), with its --output-dir checked."""
+    """The config of ``recstack train ARGS`` (file, --set, --dump-a2a); --output-dir checked."""
     if args.dump_a2a:  # the capture settings live in [compression]; the flags are shorthands for them
         try:
             steps = [int(v) for v in args.dump_steps.split(",") if v.strip()]
@@ -51,16 +51,18 @@ def run(args: argparse.Namespace) -> dict:
 
     try:
         cfg = _config(args)
-    except RecstackError as e:  # a rank of a job: the others stop with this error, not at the rendezvous timeout
+    except RecstackError as e:  # a rank of a job: the others stop with this, not at a timeout
         from recstack.distributed.startup import report_startup_failure
         report_startup_failure(e)
         raise
     if not args.output_dir and cfg.train.checkpoint_every and os.environ.get("RANK", "0") == "0":
-        # Not an error: a config written for real runs (configs/demo.toml) is also tried without an output
-        # directory. But the user asked for checkpoints, and none will be written: say so before the work.
-        print(f"recstack train: warning: train.checkpoint_every={cfg.train.checkpoint_every} but no --output-dir: "
-              "no checkpoint (nor metrics.jsonl or summary.json) is saved; pass --output-dir DIR to keep them",
-              file=sys.stderr)
+        # Not an error: a config written for real runs (configs/demo.toml) is also tried without
+        # an output directory. But the user asked for checkpoints, and none will be written: say so
+        # before the work.
+        every = cfg.train.checkpoint_every
+        print(f"recstack train: warning: train.checkpoint_every={every} but no "
+              "--output-dir: no checkpoint (nor metrics.jsonl or summary.json) is saved; pass "
+              "--output-dir DIR to keep them", file=sys.stderr)
     trainer = Trainer(cfg, args.output_dir, resume=args.resume, overwrite=args.overwrite,
                       resume_on_new_data=args.resume_on_new_data)
     try:

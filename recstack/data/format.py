@@ -89,8 +89,8 @@ class SparseFeatureSpec:
 
     @staticmethod
     def from_meta(entry: dict[str, Any]) -> SparseFeatureSpec:
-        """A meta.json entry, each key of its JSON type (``"num_embeddings": "50"`` is an error naming the key,
-        not a table size read from a string); a ValueError otherwise."""
+        """A meta.json entry, each key of its JSON type (``"num_embeddings": "50"`` is an error
+        naming the key, not a table size read from a string); a ValueError otherwise."""
         if not isinstance(entry, dict):
             raise ValueError(f"expected an object, got {type(entry).__name__} {entry!r:.80}")
         values: dict[str, Any] = {}
@@ -107,8 +107,9 @@ class SparseFeatureSpec:
 
 # The keys of a sparse feature's meta.json entry: its type and default (None: the key is required).
 _META_KEYS: dict[str, tuple[type, Any]] = {
-    "name": (str, None), "num_embeddings": (int, None), "multi_hot": (bool, False), "table": (str, ""),
-    "pooling": (str, "sum"), "weighted": (bool, False), "reserved_rows": (int, 0)}
+    "name": (str, None), "num_embeddings": (int, None), "multi_hot": (bool, False),
+    "table": (str, ""), "pooling": (str, "sum"), "weighted": (bool, False),
+    "reserved_rows": (int, 0)}
 _JSON_TYPES = {str: "string", int: "integer", bool: "boolean"}
 
 

@@ -105,18 +105,21 @@ class PreparedDataset:
         """One ``arrays`` entry of meta.json -> its memory map, after checking the entry, the dtype the format
         fixes for it and the file's size."""
         try:
-            if not (isinstance(spec["shape"], list) and all(type(n) is int for n in spec["shape"])):
-                raise TypeError(f"shape must be a list of integers, got {spec['shape']!r:.80}")
-            f, dt, shape = self.path / spec["file"], np.dtype(spec["dtype"]), tuple(spec["shape"])
+            shape = spec["shape"]
+            if not (isinstance(shape, list) and all(type(n) is int for n in shape)):
+                raise TypeError(f"shape must be a list of integers, got {shape!r:.80}")
+            f, dt, shape = self.path / spec["file"], np.dtype(spec["dtype"]), tuple(shape)
         except (KeyError, TypeError, ValueError) as e:
             raise PreparedFormatError(f"{meta_file}: arrays entry {name!r} is malformed ({type(e).__name__}: "
                                       f"{e}; expected file, dtype and shape)") from e
-        if not isinstance(spec["file"], str) or Path(spec["file"]).name != spec["file"] or spec["file"] in ("", "..") \
-                or f.is_symlink() and f.resolve().parent != self.path.resolve():
-            # every array lives in the set's directory: an entry naming another file (an absolute path, ../x, a
-            # link out) would read, and a later rewrite of the set could delete, a file the set does not own
-            raise PreparedFormatError(f"{meta_file}: arrays.{name}.file {spec['file']!r} is not a file of this "
-                                      f"prepared set (a file name inside {self.path})")
+        name_ok = Path(spec["file"]).name == spec["file"] and spec["file"] not in ("", "..")
+        if not name_ok or f.is_symlink() and f.resolve().parent != self.path.resolve():
+            # every array lives in the set's directory: an entry naming another file (an absolute
+            # path, ../x, a link out) would read, and a later rewrite of the set could delete, a
+            # file the set does not own
+            raise PreparedFormatError(f"{meta_file}: arrays.{name}.file {spec['file']!r} is not a "
+                                      f"file of this prepared set (a file name inside "
+                                      f"{self.path})")
         want_dt = CORE_DTYPES.get(name) or self._jagged_dtypes.get(name)
         if want_dt is not None and dt != np.dtype(want_dt):
             # int32 ids read as float32 (the same size, so the file size cannot tell) would train on garbage

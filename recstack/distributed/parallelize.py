@@ -56,9 +56,9 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store, _ = job_store(timeout_s)
-        join_job(store, world, timeout_s)  # a rank that failed before joining stops this one with its error
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        join_job(store, world, timeout_s)  # a rank that failed before joining stops this one
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -112,11 +112,11 @@ def arm_key(cfg: ExfmConfig, job: VMJob, warm: str, store: str) -> str:
 
 
 def _dead_worker(tasks: list[Task], finished: int) -> str:
-    """The one line for a task worker that died (the executor says only that one did, not which or how): the
-    tasks that were running, and what a rerun does."""
-    return (f"an ExFM task worker ended abruptly (killed by a signal or the out-of-memory killer) while running "
-            f"{', '.join(t.key for t in tasks)}; the {finished} finished tasks are kept, rerun the same command to "
-            "continue")
+    """The one line for a task worker that died (the executor says only that one did, not which or
+    how): the tasks that were running, and what a rerun does."""
+    return (f"an ExFM task worker ended abruptly (killed by a signal or the out-of-memory killer) "
+            f"while running {', '.join(t.key for t in tasks)}; the {finished} finished tasks are "
+            "kept, rerun the same command to continue")
 
 
 def _init_worker(threads: int, runner_pid: int) -> None:
@@ -265,8 +265,9 @@ class ExperimentRunner:
                         t = running.pop(f)
                         try:
                             f.result()  # re-raises a task's error here
-                        except BrokenProcessPool as e:  # a worker was killed (a signal, the OOM killer)
-                            raise ServiceFailure(_dead_worker([t, *running.values()], len(done))) from e
+                        except BrokenProcessPool as e:  # a worker was killed (a signal, OOM)
+                            why = _dead_worker([t, *running.values()], len(done))
+                            raise ServiceFailure(why) from e
                         done.add(t.key)
                         self.log(f"  [{len(done)}/{len(tasks)}] {t.key} ({time.perf_counter() - t0:.0f} s)")
             except BaseException:

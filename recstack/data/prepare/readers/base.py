@@ -48,7 +48,7 @@ class BadRow:
 
 
 def _describe(where: str, column: str | None, value: object, reason: str) -> str:
-    reason = " ".join(reason.split())  # one line, also when it quotes a library's multi-line message
+    reason = " ".join(reason.split())  # one line, also quoting a library's multi-line message
     parts = [where]
     if column is not None:
         parts.append(f"column {column!r}")
@@ -149,8 +149,9 @@ class Source:
 
 @contextmanager
 def open_binary(path: Path) -> Iterator[BinaryIO]:
-    """Open for reading bytes; gzip is recognised by its magic bytes, not the name. A corrupt or truncated gzip
-    stream met while reading in the ``with`` block is a DataError naming the file (not ``zlib.error``)."""
+    """Open for reading bytes; gzip is recognised by its magic bytes, not the name. A corrupt or
+    truncated gzip stream met while reading in the ``with`` block is a DataError naming the file
+    (not ``zlib.error``)."""
     with open(path, "rb") as raw:
         gz = raw.read(2) == b"\x1f\x8b"
         raw.seek(0)

@@ -63,7 +63,8 @@ class CsvSource(Source):
             fields = next(csv.reader(io.StringIO(line), delimiter=self.delimiter,
                                      quoting=csv.QUOTE_MINIMAL if self.quoted else csv.QUOTE_NONE))
         except csv.Error as e:  # a NUL byte, a lone carriage return inside the line
-            raise DataError(f"{self.path}:1", None, None, f"cannot parse the first line ({e})") from e
+            raise DataError(f"{self.path}:1", None, None,
+                            f"cannot parse the first line ({e})") from e
         if self.header:
             if not self.quoted:  # a TSV header written by a CSV library may still quote its names
                 fields = [f[1:-1] if len(f) > 1 and f[0] == f[-1] == '"' else f for f in fields]
@@ -104,13 +105,14 @@ class CsvSource(Source):
         done = 0  # data rows yielded so far
         buffered: list[pa.RecordBatch] = []
         have = 0
-        # pyarrow decodes a rejected row's text before it calls on_invalid; text that is not UTF-8 fails there,
-        # and pyarrow prints that error as an "Exception ignored" traceback and stops with a parse error. The
-        # hook keeps it off the console, so that the parse error below can say what it is.
-        undecodable: list[BaseException] = []
+        # pyarrow decodes a rejected row's text before it calls on_invalid; text that is not UTF-8
+        # fails there, and pyarrow prints that error as an "Exception ignored" traceback and stops
+        # with a parse error. The hook keeps it off the console, so that the parse error below can
+        # say what it is.
+        undecodable: list[BaseException | None] = []
         hook = sys.unraisablehook
-        sys.unraisablehook = lambda u: (undecodable.append(u.exc_value) if isinstance(u.exc_value, UnicodeError)
-                                        else hook(u))
+        sys.unraisablehook = lambda u: (undecodable.append(u.exc_value)
+                                        if isinstance(u.exc_value, UnicodeError) else hook(u))
         try:
             reader = self._open(stream, columns, on_invalid)  # reads the first block already
             for batch in reader:
