@@ -286,16 +286,19 @@ def test_ranks_wait_for_rank0_on_heartbeats(tmp_path: Path, mode: str) -> None:
 
 
 @pytest.mark.parametrize("bad", [0, 1])
-def test_a_typo_on_one_rank_stops_the_others_with_its_error(bad: int, tiny_dataset: Path, tmp_path: Path) -> None:
-    """A config typo on one rank only (its node's file): that rank exits 2 with its one line; the others do not
-    wait out the rendezvous (dist.timeout_s=300 here; torch's DistStoreError traceback after it) but exit 3 at
-    once with a line naming the rank and its error. Either rank: rank 0 also hosts the job's store."""
+def test_a_typo_on_one_rank_stops_the_others_with_its_error(bad: int, tiny_dataset: Path,
+                                                            tmp_path: Path) -> None:
+    """A config typo on one rank only (its node's file): that rank exits 2 with its one line; the
+    others do not wait out the rendezvous (dist.timeout_s=300 here; DistStoreError after it) but
+    exit 3 at once with a line naming the rank and its error. Either rank: rank 0 also hosts the
+    job's store."""
     common = [*_common(str(tiny_dataset)), "dist.timeout_s=300"]
     per_rank = [common, common]
     per_rank[bad] = [*common, "train.batchsize=64"]
     procs = _start_ranks(per_rank, tmp_path / "run")
     try:
-        errs = [p.communicate(timeout=120)[1] for p in procs]  # a bound on a hang, far below dist.timeout_s
+        # a bound on a hang, far below dist.timeout_s
+        errs = [p.communicate(timeout=120)[1] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -98,12 +98,12 @@ def test_a_killed_runner_leaves_no_helper_running(tmp_path: Path) -> None:
 
 
 def test_a_killed_task_worker_is_one_clear_error(tmp_path: Path) -> None:
-    """SIGKILL of a task worker (the OOM killer's way): one line naming the death and the tasks it ran, exit 3
-    (a helper process failed), no ``BrokenProcessPool`` traceback."""
+    """SIGKILL of a task worker (the OOM killer's way): one line naming the death and the tasks it
+    ran, exit 3 (a helper process failed), no ``BrokenProcessPool`` traceback."""
     proc = _start(tmp_path, TINY)
     try:
-        # Killed as soon as it is there: a worker exists only while a task is handed to it, and importing torch
-        # alone takes it longer than finding it here.
+        # Killed as soon as it is there: a worker exists only while a task is handed to it, and
+        # importing torch alone takes it longer than finding it here.
         (worker, *_) = _wait_for(proc, "multiprocessing.spawn")
         os.kill(worker, signal.SIGKILL)
         _, err = proc.communicate(timeout=300)
@@ -114,5 +114,6 @@ def test_a_killed_task_worker_is_one_clear_error(tmp_path: Path) -> None:
     assert proc.returncode == 3, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("recstack exfm: error: ")]
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
-    assert "an ExFM task worker ended abruptly (killed by a signal" in errors[0] and "fm/s0" in errors[0], errors[0]
+    assert "an ExFM task worker ended abruptly (killed by a signal" in errors[0], errors[0]
+    assert "fm/s0" in errors[0], errors[0]
     assert "rerun the same command to continue" in errors[0]
