@@ -44,6 +44,12 @@ def one_line(args: list[str], code: int = 2) -> str:
     return errors[0]
 
 
+def prepare_csv(raw: Path, out: Path) -> list[str]:
+    """The arguments of ``recstack data prepare`` of the Criteo CSV file ``raw`` into ``out``."""
+    return ["data", "prepare", "--schema", str(CRITEO_CSV), str(raw), "--out", str(out),
+            "--no-progress"]
+
+
 def corrupt_gzip(path: Path, text: str) -> Path:
     """``text`` gzipped with bytes of the deflate stream flipped near its start (zlib.error on the
     first read)."""
@@ -58,20 +64,7 @@ def corrupt_gzip(path: Path, text: str) -> Path:
 def test_a_corrupt_gzip_file_names_the_file(command: str, tmp_path: Path) -> None:
     raw = corrupt_gzip(tmp_path / "train.csv.gz", HEADER + "\n" + ROWS)
     out = tmp_path / "out"
-    args = (
-        [
-            "data",
-            "prepare",
-            "--schema",
-            str(CRITEO_CSV),
-            str(raw),
-            "--out",
-            str(out),
-            "--no-progress",
-        ]
-        if command == "prepare"
-        else ["data", "inspect", str(raw)]
-    )
+    args = prepare_csv(raw, out) if command == "prepare" else ["data", "inspect", str(raw)]
     line = one_line(args)
     assert f"{raw}: corrupt or truncated gzip data" in line, line
     assert not out.exists() and not out.with_name("out.tmp").exists()
@@ -92,18 +85,7 @@ def test_random_bytes_in_a_csv_file_name_the_file(damage: str, tmp_path: Path) -
     else:  # the csv module refuses a line break inside an unquoted field (_csv.Error)
         raw.write_bytes(b"label,I1\rX,C1\n1,2,3\n")
     out = tmp_path / "out"
-    line = one_line(
-        [
-            "data",
-            "prepare",
-            "--schema",
-            str(CRITEO_CSV),
-            str(raw),
-            "--out",
-            str(out),
-            "--no-progress",
-        ]
-    )
+    line = one_line(prepare_csv(raw, out))
     assert f"{raw}:" in line, line
     assert (
         ("not UTF-8 text" in line)
