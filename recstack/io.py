@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import gzip
+import json
 import math
 import os
 import shutil
@@ -76,6 +77,36 @@ def atomic_write_bytes(path: str | Path, data: bytes, sync_dir: bool = True) -> 
 def atomic_write_text(path: str | Path, text: str, sync_dir: bool = True) -> None:
     """Replace ``path`` by ``text`` (UTF-8) atomically (see ``atomic_path``)."""
     atomic_write_bytes(path, text.encode("utf-8"), sync_dir)
+
+
+def read_text(path: str | Path, error: type[Exception]) -> str:
+    """The UTF-8 text of the file at ``path``; text that is not UTF-8 (or a file that cannot be
+    read) raises ``error`` naming the file and where, not a ``UnicodeDecodeError`` naming
+    neither."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise error(f"{path}: cannot read it ({e.strerror or e})") from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise error(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}; save the file as "
+                    "UTF-8)") from None
+
+
+def read_json(path: str | Path, error: type[Exception]) -> Any:
+    """The JSON document in the file at ``path``; text that is not UTF-8, invalid JSON or JSON
+    nested too deeply for the parser (a crafted ``[[[[...``: a RecursionError otherwise) raises
+    ``error`` naming the file."""
+    text = read_text(path, error)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: invalid JSON ({e})") from e
+    except RecursionError:
+        raise error(f"{path}: invalid JSON (nested too deeply)") from None
 
 
 def json_safe(value: Any) -> Any:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from recstack.errors import ConfigError
+from recstack.io import read_text
 
 
 def _check_type(value: Any, tp: Any, where: str) -> Any:
@@ -86,6 +87,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    except RecursionError:  # arrays nested thousands deep: tomllib recurses once per level
+        raise ConfigError(f"override {key.strip()}: the value is nested too deeply") from None
     return key.strip().split("."), value
 
 
@@ -95,10 +98,13 @@ def read_toml(path: str | Path, what: str, error: type[Exception]) -> dict[str, 
     p = Path(path)
     if not p.is_file():
         raise error(f"{what} {p} not found")
+    text = read_text(p, error)
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise error(f"{p}: invalid TOML: {e}") from e
+    except RecursionError:  # nested thousands deep: tomllib recurses once per level
+        raise error(f"{p}: invalid TOML: nested too deeply") from None
 
 
 def load_into(cfg: Any, path: str | Path | None, overrides: list[str] | None) -> Any:

@@ -143,6 +143,35 @@ SIGKILL during prepare / synth
     test_fault_matrix.py::test_sigkill_during_prepare_leaves_nothing_a_train_accepts
 - SIGKILL during ``data synth``:
     test_fault_matrix.py::test_sigkill_during_synth_leaves_nothing_a_train_accepts
+
+Round 3, part B: any input gives a result or one line (exit 2; 3 for a peer), never a traceback
+- corrupt gzip (``zlib.error``), CSV through prepare and inspect, libFM through inspect:
+    test_one_line_errors.py::test_a_corrupt_gzip_file_names_the_file
+    test_one_line_errors.py::test_a_corrupt_gzip_libfm_file_names_the_file_in_inspect
+- random bytes in a CSV file (undecodable rows; a header ``csv`` refuses: ``_csv.Error``):
+    test_one_line_errors.py::test_random_bytes_in_a_csv_file_name_the_file
+- a TOML config nested 100,000 deep (``RecursionError``) or not UTF-8; an override too deep:
+    test_one_line_errors.py::test_a_damaged_config_file_names_the_file
+    test_one_line_errors.py::test_an_override_nested_too_deeply_names_it
+- ``meta.json`` nested 100,000 deep or not UTF-8, ``num_embeddings`` a string,
+  ``arrays.labels.file`` outside the prepared set (relative or absolute):
+    test_one_line_errors.py::test_a_damaged_meta_json_names_the_file_and_key
+- a ``recstack plan --tables`` file nested 100,000 deep or not UTF-8 (``dist.plan``: the same):
+    test_one_line_errors.py::test_a_damaged_table_file_for_plan_names_the_file
+- a ``recstack serve`` request body nested 30,000 deep (a RecursionError, HTTP 500 before):
+    serving/test_server.py::test_bad_requests_are_refused_naming_the_field
+- a top MLP of 10^8 units (an allocator error before):
+    test_one_line_errors.py::test_an_absurd_mlp_width_is_an_error_before_allocating
+- a config typo on one rank only (the other rank: ``DistStoreError`` at the timeout before):
+    distributed/test_rank_faults.py::test_a_typo_on_one_rank_stops_the_others_with_its_error
+- a killed ExFM task worker (``BrokenProcessPool``):
+    exfm/test_exfm_faults.py::test_a_killed_task_worker_is_one_clear_error
+- ``data inspect --infer-schema`` to a read-only place (failed only after the work):
+    training/test_disk_faults.py::test_infer_schema_to_a_read_only_place_fails_before_the_work
+- ``train.checkpoint_every`` without ``--output-dir`` (a warning before the work; the run goes on):
+    test_one_line_errors.py::test_checkpoint_every_without_an_output_dir_is_said
+- bounded fuzz (hypothesis) of the libFM, CSV/TSV, Parquet, Criteo TSV readers, meta.json, configs:
+    data/test_reader_fuzz.py (every test; ``RECSTACK_FUZZ_EXAMPLES=N`` for a longer run)
 """
 
 from __future__ import annotations

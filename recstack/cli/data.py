@@ -164,6 +164,8 @@ def run_inspect(args: argparse.Namespace) -> None:
         print(format_prepared_report(prepared))
         print(recipe_line(recipe_for_prepared(prepared)))
         return
+    if args.infer_schema and args.infer_schema != "-":  # unwritable: fail now, not after the work
+        check_writable(args.infer_schema, directory=False)
     schema = load_schema(args.schema) if args.schema else None
     label = schema.label if schema else (LabelSpec(column=args.label) if args.label else None)
     source = schema.source if schema else SourceSpec()

@@ -21,7 +21,7 @@ from recstack.distributed.planner.partition import plan_sharding
 from recstack.distributed.planner.plan import ShardingPlan, parse_json
 from recstack.distributed.planner.report import format_seconds, render_plan
 from recstack.distributed.sharding import SHARDING_TYPES
-from recstack.io import atomic_write_text, check_writable
+from recstack.io import atomic_write_text, check_writable, read_text
 
 NAMED_TABLES = {"criteo_kaggle": 16, "criteo_terabyte": 64}  # name -> DLRM reference dim (bench/*.sh)
 SYNTHETIC_DIM = 128
@@ -82,7 +82,7 @@ def load_table_file(path: str | Path, dim: int | None = None, pooling: float | N
     ``dim``, "pooling" defaults to ``pooling`` or 1, "zipf" (the ids' Zipf exponent) to --zipf). Errors name
     the file, line and field."""
     path = Path(path)
-    text = path.read_text()
+    text = read_text(path, PlanError)
     data = parse_json(text, str(path), list)
     known = {"name", "rows", "dim", "pooling", "access_counts", "zipf"}
     specs = []

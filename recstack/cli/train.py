@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
-from recstack.config import load_config
-from recstack.errors import ConfigError
+from recstack.config import Config, load_config
+from recstack.errors import ConfigError, RecstackError
 from recstack.io import check_writable
 
 
@@ -29,10 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> dict:
-    from recstack.training.evaluate import figures as _figures
-    from recstack.training.trainer import Trainer
-
+def _config(args: argparse.Namespace) -> Config:
+    """The config of ``recstack train ARGS`` (file, --set, --dump-a2a); --output-dir checked."""
     if args.dump_a2a:  # the capture settings live in [compression]; the flags are shorthands for them
         try:
             steps = [int(v) for v in args.dump_steps.split(",") if v.strip()]
@@ -42,6 +42,27 @@ def run(args: argparse.Namespace) -> dict:
     cfg = load_config(args.config, args.overrides)
     if args.output_dir:  # a read-only or full place for the run fails now, not at its first checkpoint
         check_writable(args.output_dir, directory=True, inside=True)
+    return cfg
+
+
+def run(args: argparse.Namespace) -> dict:
+    from recstack.training.evaluate import figures as _figures
+    from recstack.training.trainer import Trainer
+
+    try:
+        cfg = _config(args)
+    except RecstackError as e:  # a rank of a job: the others stop with this, not at a timeout
+        from recstack.distributed.startup import report_startup_failure
+        report_startup_failure(e)
+        raise
+    if not args.output_dir and cfg.train.checkpoint_every and os.environ.get("RANK", "0") == "0":
+        # Not an error: a config written for real runs (configs/demo.toml) is also tried without
+        # an output directory. But the user asked for checkpoints, and none will be written: say so
+        # before the work.
+        every = cfg.train.checkpoint_every
+        print(f"recstack train: warning: train.checkpoint_every={every} but no "
+              "--output-dir: no checkpoint (nor metrics.jsonl or summary.json) is saved; pass "
+              "--output-dir DIR to keep them", file=sys.stderr)
     trainer = Trainer(cfg, args.output_dir, resume=args.resume, overwrite=args.overwrite,
                       resume_on_new_data=args.resume_on_new_data)
     try:

@@ -89,11 +89,28 @@ class SparseFeatureSpec:
 
     @staticmethod
     def from_meta(entry: dict[str, Any]) -> SparseFeatureSpec:
-        return SparseFeatureSpec(
-            entry["name"], int(entry["num_embeddings"]), bool(entry.get("multi_hot", False)),
-            str(entry.get("table", "")), str(entry.get("pooling", "sum")), bool(entry.get("weighted", False)),
-            int(entry.get("reserved_rows", 0)),
-        )
+        """A meta.json entry, each key of its JSON type (``"num_embeddings": "50"`` is an error
+        naming the key, not a table size read from a string); a ValueError otherwise."""
+        if not isinstance(entry, dict):
+            raise ValueError(f"expected an object, got {type(entry).__name__} {entry!r:.80}")
+        values: dict[str, Any] = {}
+        for key, (kind, default) in _META_KEYS.items():
+            if key not in entry and default is None:
+                raise ValueError(f"sparse feature {entry.get('name')!r}: no {key!r} key")
+            value = entry.get(key, default)
+            if type(value) is not kind:  # exact: True is not an int here, nor "50" or 5.0
+                raise ValueError(f"sparse feature {entry.get('name')!r}: {key} must be a JSON "
+                                 f"{_JSON_TYPES[kind]}, got {type(value).__name__} {value!r:.80}")
+            values[key] = value
+        return SparseFeatureSpec(**values)
+
+
+# The keys of a sparse feature's meta.json entry: its type and default (None: the key is required).
+_META_KEYS: dict[str, tuple[type, Any]] = {
+    "name": (str, None), "num_embeddings": (int, None), "multi_hot": (bool, False),
+    "table": (str, ""), "pooling": (str, "sum"), "weighted": (bool, False),
+    "reserved_rows": (int, 0)}
+_JSON_TYPES = {str: "string", int: "integer", bool: "boolean"}
 
 
 def check_sparse_specs(specs: list[SparseFeatureSpec]) -> None:

@@ -6,7 +6,6 @@ files on opening and then serves rows from the memory maps as :class:`~recstack.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -23,6 +22,7 @@ from recstack.data.format import (
     SparseFeatureSpec,
     check_sparse_specs,
 )
+from recstack.io import read_json
 
 # meta.json keys every prepared set has, and the JSON type of each
 _REQUIRED = {"num_rows": int, "dense_features": list, "sparse_features": list, "arrays": dict}
@@ -62,10 +62,7 @@ class PreparedDataset:
         meta_file = self.path / "meta.json"
         if not meta_file.is_file():
             raise PreparedFormatError(f"{self.path}: not a prepared data set (no meta.json)")
-        try:
-            self.meta = json.loads(meta_file.read_text())
-        except json.JSONDecodeError as e:
-            raise PreparedFormatError(f"{meta_file}: invalid JSON ({e})") from e
+        self.meta = read_json(meta_file, PreparedFormatError)
         if not isinstance(self.meta, dict):
             raise PreparedFormatError(f"{meta_file}: holds a JSON {type(self.meta).__name__}, expected an object")
         if self.meta.get("format") != FORMAT_NAME or self.meta.get("version") != FORMAT_VERSION:
@@ -108,10 +105,21 @@ class PreparedDataset:
         """One ``arrays`` entry of meta.json -> its memory map, after checking the entry, the dtype the format
         fixes for it and the file's size."""
         try:
-            f, dt, shape = self.path / spec["file"], np.dtype(spec["dtype"]), tuple(int(n) for n in spec["shape"])
+            shape = spec["shape"]
+            if not (isinstance(shape, list) and all(type(n) is int for n in shape)):
+                raise TypeError(f"shape must be a list of integers, got {shape!r:.80}")
+            f, dt, shape = self.path / spec["file"], np.dtype(spec["dtype"]), tuple(shape)
         except (KeyError, TypeError, ValueError) as e:
             raise PreparedFormatError(f"{meta_file}: arrays entry {name!r} is malformed ({type(e).__name__}: "
                                       f"{e}; expected file, dtype and shape)") from e
+        name_ok = Path(spec["file"]).name == spec["file"] and spec["file"] not in ("", "..")
+        if not name_ok or f.is_symlink() and f.resolve().parent != self.path.resolve():
+            # every array lives in the set's directory: an entry naming another file (an absolute
+            # path, ../x, a link out) would read, and a later rewrite of the set could delete, a
+            # file the set does not own
+            raise PreparedFormatError(f"{meta_file}: arrays.{name}.file {spec['file']!r} is not a "
+                                      f"file of this prepared set (a file name inside "
+                                      f"{self.path})")
         want_dt = CORE_DTYPES.get(name) or self._jagged_dtypes.get(name)
         if want_dt is not None and dt != np.dtype(want_dt):
             # int32 ids read as float32 (the same size, so the file size cannot tell) would train on garbage

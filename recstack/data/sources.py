@@ -17,6 +17,7 @@ from recstack.data.config import DataConfig
 from recstack.data.integrity import check_values
 from recstack.data.prepared_dataset import PreparedDataset, layout_difference
 from recstack.errors import ConfigError
+from recstack.io import read_json
 
 
 def prepare_data(
@@ -76,7 +77,7 @@ def synthesize(d: DataConfig, path: Path, progress: bool = True, keep: str | Non
     overwrite = False
     if meta.is_file():
         try:
-            info = json.loads(meta.read_text()).get("info", {})
+            info = read_json(meta, ValueError).get("info", {})
         except (ValueError, AttributeError):
             info = {}
         if not isinstance(info, dict) or info.get("generator") != "recstack.data.synth":

@@ -18,12 +18,14 @@ from recstack.distributed.config import DistConfig
 from recstack.distributed.planner.inputs import PlanError, Topology
 from recstack.distributed.planner.plan import PlanPlacements, ShardingPlan
 from recstack.distributed.sharded_collection import LocalCollection, ShardedEmbeddingCollection, fused_local
+from recstack.distributed.startup import job_store, join_job
 from recstack.distributed.tiered_shards import row_bytes, tiered_local
 from recstack.embedding.collection import TableConfig
 from recstack.embedding.tiered.collection import TablePlacement
 from recstack.embedding.tiered.config import MemoryConfig
 from recstack.embedding.tiered.placement import memory_budgets_set
 from recstack.errors import ConfigError
+from recstack.io import read_text
 from recstack.metrics import BinaryMetrics
 from recstack.models.dlrm import DLRM
 
@@ -55,15 +57,10 @@ def init_distributed(d: DistConfig, device_name: str = "auto") -> tuple[int, int
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     if not dist.is_initialized():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        timeout = datetime.timedelta(seconds=d.timeout_s)
-        # torchrun's agent hosts the store and keeps it across restarts (--max-restarts); without a prefix per
-        # attempt, the restarted workers would find the dead workers' addresses for every process group.
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=rank == 0 and not agent_store, timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend=backend, store=dist.PrefixStore(
-            f"recstack/attempt_{attempt}", store), rank=rank, world_size=world, timeout=timeout)
+        store, _ = job_store(d.timeout_s)
+        join_job(store, world, d.timeout_s)  # a rank that failed before joining stops this one
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=d.timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -196,10 +193,7 @@ def placements_from_config(
     sharded collection is built (``PlanPlacements.check``)."""
     if dist_cfg.plan:
         path = Path(dist_cfg.plan)
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise PlanError(f"{path}: cannot read the sharding plan ({e})") from e
+        text = read_text(path, PlanError)  # unreadable or not UTF-8: an error naming the file
         per_node = dist_cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         nodes, rest = divmod(world_size, per_node) if per_node > 0 else (0, 1)
         job = Topology(nodes, per_node) if nodes and not rest else Topology(1, world_size)

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,14 @@ def arm_key(cfg: ExfmConfig, job: VMJob, warm: str, store: str) -> str:
                  "store": store if labels else None, "distill": asdict(cfg.distill) if labels else None,
                  "on_missing": job.on_missing if labels else None,
                  "distill_head_init": job.distill_head_init if labels else None})
+
+
+def _dead_worker(tasks: list[Task], finished: int) -> str:
+    """The one line for a task worker that died (the executor says only that one did, not which or
+    how): the tasks that were running, and what a rerun does."""
+    return (f"an ExFM task worker ended abruptly (killed by a signal or the out-of-memory killer) "
+            f"while running {', '.join(t.key for t in tasks)}; the {finished} finished tasks are "
+            "kept, rerun the same command to continue")
 
 
 def _init_worker(threads: int, runner_pid: int) -> None:
@@ -254,13 +263,17 @@ class ExperimentRunner:
                     self._check_das()
                     for f in finished:
                         t = running.pop(f)
-                        f.result()  # re-raises a task's error here
+                        try:
+                            f.result()  # re-raises a task's error here
+                        except BrokenProcessPool as e:  # a worker was killed (a signal, OOM)
+                            why = _dead_worker([t, *running.values()], len(done))
+                            raise ServiceFailure(why) from e
                         done.add(t.key)
                         self.log(f"  [{len(done)}/{len(tasks)}] {t.key} ({time.perf_counter() - t0:.0f} s)")
             except BaseException:
                 # Fail fast: a running VM task may be waiting (das_wait_s) for a DAS that is gone. Python 3.11's
                 # executor has no public way to stop its workers, so they are terminated through its table.
-                for proc in list(getattr(pool, "_processes", {}).values()):
+                for proc in list((getattr(pool, "_processes", None) or {}).values()):
                     proc.terminate()
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise

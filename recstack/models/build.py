@@ -68,6 +68,33 @@ def check_tables_fit(tables: list[TableConfig], row_state: bool, device: torch.d
         "memory tiers ([memory] budgets)")
 
 
+def check_mlps_fit(model: ModelConfig, num_dense: int, batch_size: int,
+                   device: torch.device) -> None:
+    """Before allocating: both MLPs must fit in ``device``'s memory, counting 8 bytes per weight
+    (the float32 weight and its gradient; an optimizer's state comes on top) and, with
+    ``batch_size`` > 0, 8 per unit and row of a batch (the activation and its gradient). The top
+    MLP's input (the interaction's width, known only once built) counts as 1 wide: a lower bound,
+    enough to catch an absurd width (``model.top_mlp=[100000000, 1]`` would otherwise end in an
+    allocator error naming neither the key nor the size). A ConfigError naming the key and the
+    widest layer otherwise."""
+    mlps = {"top_mlp": [1, *model.top_mlp]}
+    if num_dense:
+        mlps["bottom_mlp"] = [num_dense, *model.bottom_mlp]
+    need = {name: [(a * b + b) * 8 + batch_size * b * 8
+                   for a, b in zip(w[:-1], w[1:], strict=True)]
+            for name, w in mlps.items()}
+    total, have = sum(map(sum, need.values())), device_memory(device)
+    if total <= have:
+        return
+    name = max(need, key=lambda n: max(need[n], default=0))
+    layer = max(range(len(need[name])), key=need[name].__getitem__)
+    raise ConfigError(
+        f"model.{name}: layer {layer + 1} of {mlps[name][layer + 1]:,} units needs "
+        f"{format_bytes(need[name][layer])} ({format_bytes(total)} for both MLPs: weights and "
+        f"gradients, and the activations of a batch of {batch_size} rows), more than the "
+        f"{format_bytes(have)} of memory on {device}")
+
+
 def build_model(
     model: ModelConfig,
     sparse_optim: SparseOptimizerConfig,
@@ -81,6 +108,7 @@ def build_model(
     log: TextIO | None = None,
     tables_on_meta: bool = False,
     zero_rows: list[int] | None = None,
+    batch_size: int = 0,
 ) -> DLRM:
     """Dense layers are initialised from torch's global RNG (seeded by the caller), tables from per-table
     generators seeded by ``seed``, so the same seeds give the same model on any placement. With ``memory``
@@ -89,8 +117,11 @@ def build_model(
     model whose tables will be sharded (``recstack.distributed.parallelize.shard_model`` builds the shards);
     the dense layers are on ``device`` all the same, drawn in the same order. ``zero_rows`` (one per feature):
     rows [0, k) of its table start at zero (``PreparedDataset.reserved_rows``; not in quotient-remainder tables,
-    whose rows are shared by many ids)."""
+    whose rows are shared by many ids). ``batch_size``: the rows of a training batch, counted with
+    the MLPs' weights in the memory check before anything is allocated (0: the weights only, for a
+    model that is loaded)."""
     model.check_dense(num_dense)  # the bottom MLP's widths, now that the data's dense features are known
+    check_mlps_fit(model, num_dense, batch_size, torch.device(device))
     names = names or [f"t{i}" for i in range(len(table_sizes))]
     model.check_table_names(names)
     tables = table_configs(table_sizes, model.embedding_dim, names, model.table_dims, zero_rows,

@@ -87,6 +87,8 @@ def parse_request(body: bytes, max_rows: int) -> Parsed:
         req = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadRequest(400, "body", f"malformed JSON: {e}") from None
+    except RecursionError:  # [[[[... thousands deep: the parser recurses once per level
+        raise BadRequest(400, "body", "malformed JSON: nested too deeply") from None
     if not isinstance(req, dict):
         raise BadRequest(400, "body", f"expected a JSON object, got {type(req).__name__}")
     unknown = sorted(set(req) - _TOP_KEYS)

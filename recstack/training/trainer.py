@@ -102,7 +102,8 @@ class Trainer:
         self.model: DLRM = build_model(
             cfg.model, sparse_optimizer_config(cfg.optim), len(self.train_ds.dense_features), self.table_sizes,
             seed=t.seed, device=self.device, names=self.train_ds.table_names, memory=cfg.memory,
-            tables_on_meta=self.world > 1, zero_rows=[s.reserved_rows for s in self.train_ds.sparse_features])
+            tables_on_meta=self.world > 1, batch_size=t.batch_size,
+            zero_rows=[s.reserved_rows for s in self.train_ds.sparse_features])
         self.compression = CompressionRuntime(cfg.compression, cfg.dist.forward_codec, cfg.dist.backward_codec,
                                               cfg.train.batch_size, self.output_dir, self.rank, self.world)
         self.net: torch.nn.Module = self.model  # what the step calls: the model, or DDP around it

@@ -283,3 +283,34 @@ def test_ranks_wait_for_rank0_on_heartbeats(tmp_path: Path, mode: str) -> None:
         assert seen["seen"].startswith("PeerFailure: rank 1: rank 0 stopped answering while it was to generate "
                                        "the data (no heartbeat within dist.timeout_s=2 s)"), seen
         assert seen["waited"] < 2 + MARGIN_S, seen
+
+
+@pytest.mark.parametrize("bad", [0, 1])
+def test_a_typo_on_one_rank_stops_the_others_with_its_error(bad: int, tiny_dataset: Path,
+                                                            tmp_path: Path) -> None:
+    """A config typo on one rank only (its node's file): that rank exits 2 with its one line; the
+    others do not wait out the rendezvous (dist.timeout_s=300 here; DistStoreError after it) but
+    exit 3 at once with a line naming the rank and its error. Either rank: rank 0 also hosts the
+    job's store."""
+    common = [*_common(str(tiny_dataset)), "dist.timeout_s=300"]
+    per_rank = [common, common]
+    per_rank[bad] = [*common, "train.batchsize=64"]
+    procs = _start_ranks(per_rank, tmp_path / "run")
+    try:
+        # a bound on a hang, far below dist.timeout_s
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    good = 1 - bad
+    assert procs[bad].returncode == 2 and procs[good].returncode == 3, [e[-2000:] for e in errs]
+    typo = "--set train.batchsize=64.train: unknown key 'batchsize'"
+    for rank, err in enumerate(errs):
+        assert "Traceback" not in err, err[-3000:]
+        lines = [line for line in err.splitlines() if line.startswith("recstack train: error: ")]
+        assert len(lines) == 1, err[-3000:]
+        want = typo if rank == bad else f"rank {bad} stopped at start-up: {typo}"
+        assert want in lines[0], lines[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -37,9 +37,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start(tmp_path: Path) -> subprocess.Popen[str]:
+def _start(tmp_path: Path, config: str = LONGER) -> subprocess.Popen[str]:
     cfg = tmp_path / "exfm.toml"
-    cfg.write_text(LONGER)
+    cfg.write_text(config)
     return subprocess.Popen([sys.executable, "-m", "recstack", "exfm", "run", "--config", str(cfg),
                              "--output-dir", str(tmp_path / "run")], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -56,12 +56,14 @@ def _wait_for(proc: subprocess.Popen[str], want: str, count: int = 1, timeout: f
     raise AssertionError(f"no {count} {want!r} children of the runner (exit status {proc.poll()})")
 
 
-def test_a_dead_das_is_one_clear_error(tmp_path: Path) -> None:
-    proc = _start(tmp_path)
+def _kill_helper(tmp_path: Path, want: str, config: str) -> str:
+    """Run the experiment ``config``, SIGKILL its first helper whose command line holds ``want``:
+    the runner must exit 3 with one error line and no traceback -> that line."""
+    proc = _start(tmp_path, config)
     try:
-        (das,) = _wait_for(proc, "recstack.exfm.das")
-        os.kill(das, signal.SIGKILL)
-        _, err = proc.communicate(timeout=300)  # far less than experiment.das_wait_s (1800 s): no waiting on it
+        (helper, *_) = _wait_for(proc, want)
+        os.kill(helper, signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -69,8 +71,14 @@ def test_a_dead_das_is_one_clear_error(tmp_path: Path) -> None:
     assert proc.returncode == 3, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("recstack exfm: error: ")]
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
-    assert "the data augmentation service (DAS) of seed 0 died (signal 9)" in errors[0]
-    assert str(tmp_path / "run" / "seed0" / "das.log") in errors[0]
+    return errors[0]
+
+
+def test_a_dead_das_is_one_clear_error(tmp_path: Path) -> None:
+    # (the runner ends far sooner than experiment.das_wait_s, 1800 s: no waiting on the dead DAS)
+    error = _kill_helper(tmp_path, "recstack.exfm.das", LONGER)
+    assert "the data augmentation service (DAS) of seed 0 died (signal 9)" in error
+    assert str(tmp_path / "run" / "seed0" / "das.log") in error
 
 
 def test_a_killed_runner_leaves_no_helper_running(tmp_path: Path) -> None:
@@ -95,3 +103,13 @@ def test_a_killed_runner_leaves_no_helper_running(tmp_path: Path) -> None:
             except ProcessLookupError:
                 pass
     assert left == {}, left
+
+
+def test_a_killed_task_worker_is_one_clear_error(tmp_path: Path) -> None:
+    """SIGKILL of a task worker (the OOM killer's way): one line naming the death and the tasks it
+    ran, exit 3 (a helper process failed), no ``BrokenProcessPool`` traceback."""
+    # Killed as soon as it is there: a worker exists only while a task is handed to it, and
+    # importing torch alone takes it longer than finding it here.
+    error = _kill_helper(tmp_path, "multiprocessing.spawn", TINY)
+    assert "an ExFM task worker ended abruptly (killed by a signal" in error, error
+    assert "fm/s0" in error and "rerun the same command to continue" in error, error

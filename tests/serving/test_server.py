@@ -100,6 +100,7 @@ _CANDS = [{k: v for k, v in r.items() if k not in _USER} for r in ROWS[:3]]
 BAD = [  # (body, status, field named)
     (b"{not json", 400, "body"),
     (b"[1, 2]", 400, "body"),
+    (b"[" * 30_000 + b"]" * 30_000, 400, "body"),  # nested too deeply: a RecursionError
     (b'{"rows": [{"I1": 1}], "extra": 1}', 400, "extra"),
     (b'{"rowz": []}', 400, "rowz"),
     (b'{"return_logit": true}', 400, "rows"),

@@ -128,3 +128,17 @@ def test_prepare_over_an_existing_file_fails_before_the_work(tmp_path: Path, cap
     assert main(["data", "prepare", str(raw), "--out", str(out), "--overwrite", "--max-ind-range", "10"]) == 2
     assert f"cannot write {out}: it is a file, not a directory" in capsys.readouterr().err
     assert out.read_text() == "not a directory\n" and leftovers(tmp_path) == []
+
+
+def test_infer_schema_to_a_read_only_place_fails_before_the_work(tmp_path: Path) -> None:
+    """``data inspect --infer-schema OUT`` checks OUT first: one line, exit 2, and no statistics
+    computed (the report, printed before the schema is written, never comes)."""
+    raw = tmp_path / "train.csv"
+    raw.write_text("label,x,item\n" + "".join(f"{i % 2},{i * 0.5},i{i % 7}\n" for i in range(500)))
+    with read_only_dir(tmp_path) as ro:
+        args = ["data", "inspect", str(raw), "--infer-schema", str(ro / "out")]
+        res = Disk(tmp_path, mounted=False).run(args)
+        line = error_line(res)
+        assert f"cannot write {ro / 'out'}" in line, line
+        assert "rows" not in res.stdout and res.stdout.strip() == "", res.stdout[-2000:]
+        assert not (ro / "out").exists()

@@ -36,6 +36,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from recstack.errors import RecstackError
+
 NUM_DENSE = 13
 NUM_SPARSE = 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
@@ -61,7 +63,7 @@ PARSE_LINES = 384  # lines per vectorised parse step (see CriteoReader._blocks)
 MAX_LINE_BYTES = 1 << 20  # a real row is ~250 bytes; a longer "line" means this is not a Criteo TSV
 
 
-class CriteoFormatError(ValueError):
+class CriteoFormatError(RecstackError, ValueError):
     """A raw Criteo file breaks the format; the message names file, 1-based line, field and value."""
 
     def __init__(

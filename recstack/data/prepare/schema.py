@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from recstack.data.prepare.columns import text_to_seconds
+from recstack.errors import RecstackError
 from recstack.typed_toml import read_toml, toml_value
 
 FORMATS = ("parquet", "csv", "tsv", "libfm")
@@ -49,7 +50,7 @@ _SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "ts
              ".libsvm": "libfm", ".svm": "libfm", ".ffm": "libfm", ".libffm": "libfm"}
 
 
-class SchemaError(ValueError):
+class SchemaError(RecstackError, ValueError):
     """A schema file or value is invalid; the message names the file and the key."""
 
 

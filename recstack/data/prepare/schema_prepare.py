@@ -24,11 +24,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from recstack.data.format import PreparedFormatError
 from recstack.data.prepare.columns import uniform_hash
 from recstack.data.prepare.encode import Encoder, EncodingState, ParsedChunk, StatsCollector, needs_stats, parse_chunk
 from recstack.data.prepare.readers import BadRow, BadRowLog, DataError, expand_inputs, open_source
 from recstack.data.prepare.schema import Schema, SchemaError, split_time
 from recstack.data.prepared_writer import PreparedWriter
+from recstack.io import read_json
 
 SPLIT_NAMES = ("train", "valid", "test")
 STATS_FILE = "stats.json"
@@ -219,7 +221,7 @@ def _remove_unsplit_output(out: Path) -> None:
     if not meta.is_file():
         return
     try:
-        arrays = json.loads(meta.read_text()).get("arrays", {})
+        arrays = read_json(meta, ValueError).get("arrays", {})
         files = [str(a["file"]) for a in arrays.values()]
     except (ValueError, AttributeError, KeyError, TypeError):  # not a prepared directory's meta.json
         return
@@ -253,4 +255,4 @@ def load_state(path: Path) -> EncodingState:
     f = _stats_file(path)
     if not f.is_file():
         raise FileNotFoundError(f"{f}: no statistics file (prepare the training split first)")
-    return EncodingState.from_dict(json.loads(f.read_text()))
+    return EncodingState.from_dict(read_json(f, PreparedFormatError))

@@ -59,6 +59,8 @@ def parse_json(text: str, source: str, kind: type) -> Any:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise PlanError(f"{source}, line {e.lineno}, column {e.colno}: not valid JSON: {e.msg}") from e
+    except RecursionError:  # nested thousands deep: the parser recurses once per level
+        raise PlanError(f"{source}: not valid JSON: nested too deeply") from None
     if not isinstance(value, kind):
         raise PlanError(f"{source}, line 1: expected a JSON {'object' if kind is dict else 'list'}, "
                         f"got {type(value).__name__}")

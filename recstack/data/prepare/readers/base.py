@@ -9,7 +9,9 @@ fields as list columns), plus where each row came from, so that any later check 
 from __future__ import annotations
 
 import gzip
+import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -17,8 +19,12 @@ from typing import BinaryIO
 import numpy as np
 import pyarrow as pa
 
+from recstack.errors import RecstackError
 
-class DataError(ValueError):
+GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)  # what reading a damaged gzip stream raises
+
+
+class DataError(RecstackError, ValueError):
     """A row of an input file breaks the schema. ``where`` is ``file:line`` for text files, ``file row N``
     for Parquet (1-based), or just the file when the problem is not one row's."""
 
@@ -42,6 +48,7 @@ class BadRow:
 
 
 def _describe(where: str, column: str | None, value: object, reason: str) -> str:
+    reason = " ".join(reason.split())  # one line, also quoting a library's multi-line message
     parts = [where]
     if column is not None:
         parts.append(f"column {column!r}")
@@ -140,14 +147,24 @@ class Source:
         raise NotImplementedError
 
 
-def open_binary(path: Path) -> BinaryIO:
-    """Open for reading bytes; gzip is recognised by its magic bytes, not the name."""
-    f = open(path, "rb")
-    if f.read(2) == b"\x1f\x8b":
-        f.seek(0)
-        return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
-    f.seek(0)
-    return f
+@contextmanager
+def open_binary(path: Path) -> Iterator[BinaryIO]:
+    """Open for reading bytes; gzip is recognised by its magic bytes, not the name. A corrupt or
+    truncated gzip stream met while reading in the ``with`` block is a DataError naming the file
+    (not ``zlib.error``)."""
+    with open(path, "rb") as raw:
+        gz = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        try:
+            if not gz:
+                yield raw
+                return
+            with gzip.GzipFile(fileobj=raw, mode="rb") as f:
+                yield f  # type: ignore[misc]
+        except GZIP_ERRORS as e:
+            if not gz:
+                raise
+            raise DataError(str(path), None, None, f"corrupt or truncated gzip data ({e})") from e
 
 
 def first_invalid_utf8_line(path: Path) -> int | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import io
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -58,8 +59,12 @@ class CsvSource(Source):
             raise DataError(str(self.path), None, None, "empty file (a header but no rows)")
         # utf-8-sig drops a byte order mark (Excel writes one); pyarrow drops it from the data as well.
         line = first.decode("utf-8-sig", "replace").rstrip("\r\n")
-        fields = next(csv.reader(io.StringIO(line), delimiter=self.delimiter,
-                                 quoting=csv.QUOTE_MINIMAL if self.quoted else csv.QUOTE_NONE))
+        try:
+            fields = next(csv.reader(io.StringIO(line), delimiter=self.delimiter,
+                                     quoting=csv.QUOTE_MINIMAL if self.quoted else csv.QUOTE_NONE))
+        except csv.Error as e:  # a NUL byte, a lone carriage return inside the line
+            raise DataError(f"{self.path}:1", None, None,
+                            f"cannot parse the first line ({e})") from e
         if self.header:
             if not self.quoted:  # a TSV header written by a CSV library may still quote its names
                 fields = [f[1:-1] if len(f) > 1 and f[0] == f[-1] == '"' else f for f in fields]
@@ -100,6 +105,14 @@ class CsvSource(Source):
         done = 0  # data rows yielded so far
         buffered: list[pa.RecordBatch] = []
         have = 0
+        # pyarrow decodes a rejected row's text before it calls on_invalid; text that is not UTF-8
+        # fails there, and pyarrow prints that error as an "Exception ignored" traceback and stops
+        # with a parse error. The hook keeps it off the console, so that the parse error below can
+        # say what it is.
+        undecodable: list[BaseException | None] = []
+        hook = sys.unraisablehook
+        sys.unraisablehook = lambda u: (undecodable.append(u.exc_value)
+                                        if isinstance(u.exc_value, UnicodeError) else hook(u))
         try:
             reader = self._open(stream, columns, on_invalid)  # reads the first block already
             for batch in reader:
@@ -116,7 +129,7 @@ class CsvSource(Source):
             report_in_order(self.log, pending, [])  # rejected rows after the last good one
             pending.clear()
         except pa.ArrowInvalid as e:
-            if "invalid UTF8" in str(e):
+            if "invalid UTF8" in str(e) or undecodable:
                 line = first_invalid_utf8_line(self.path)
                 raise DataError(f"{self.path}:{line}" if line else str(self.path), None, None,
                                 "not UTF-8 text (save the file as UTF-8)") from e
@@ -125,6 +138,7 @@ class CsvSource(Source):
             raise DataError(str(self.path), None, None, f"cannot read it after {first_line + done - 1} lines: "
                                                         f"corrupt or truncated ({e})") from e
         finally:
+            sys.unraisablehook = hook
             raw.close()
         self.progress = self.size
 

@@ -20,8 +20,6 @@ malformed line is re-parsed line by line, which names the line and the problem.
 
 from __future__ import annotations
 
-import gzip
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -31,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recstack.data.prepare.readers.base import (
+    GZIP_ERRORS,
     BadRow,
     BadRowLog,
     DataError,
@@ -73,7 +72,7 @@ def _read(f: BinaryIO, path: Path, lines: int | None, size: int) -> bytes:
     number of whole lines read before it (``lines``; None: in the first read, where none are counted yet)."""
     try:
         return f.read(size)
-    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+    except GZIP_ERRORS as e:
         where = f" after line {lines}" if lines is not None else f" in its first {size >> 20} MiB"
         raise DataError(str(path), None, None, f"corrupt or truncated gzip data{where} ({e})") from e
 
