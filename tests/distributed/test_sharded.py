@@ -93,7 +93,7 @@ def _plans(world: int) -> dict[str, tuple[list, int | None]]:
 
 
 def _worker(rank: int, world: int, init_file: str, data: str, out: str, sparse_opt: str, names: list[str],
-            extra: tuple[str, ...] = ()) -> None:
+            extra: tuple[str, ...] = (), steps: int = STEPS) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -101,7 +101,8 @@ def _worker(rank: int, world: int, init_file: str, data: str, out: str, sparse_o
         plans = _plans(world)
         for name in names:
             placements, rpn = plans[name.removesuffix("+agg")]
-            results[name] = _run(Path(data), sparse_opt, rank, world, placements, rpn, name.endswith("+agg"), extra)
+            results[name] = _run(Path(data), sparse_opt, rank, world, placements, rpn, name.endswith("+agg"), extra,
+                                 steps)
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -109,10 +110,10 @@ def _worker(rank: int, world: int, init_file: str, data: str, out: str, sparse_o
 
 
 def _spawn(tmp_path: Path, data: Path, world: int, sparse_opt: str, names: list[str],
-           extra: tuple[str, ...] = ()) -> dict:
+           extra: tuple[str, ...] = (), steps: int = STEPS) -> dict:
     out = tmp_path / f"res_{world}_{sparse_opt}.pt"
     init = tmp_path / f"init_{world}_{sparse_opt}"
-    mp.spawn(_worker, args=(world, str(init), str(data), str(out), sparse_opt, names, extra), nprocs=world,
+    mp.spawn(_worker, args=(world, str(init), str(data), str(out), sparse_opt, names, extra, steps), nprocs=world,
              join=True)
     return torch.load(out, weights_only=False)
 
