@@ -47,7 +47,8 @@ class DLRM(nn.Module):
         self.num_dense = num_dense
         # No dense features -> no bottom MLP (schema-driven data sets may have only categorical columns).
         drop, norm = cfg.dropout, cfg.mlp_norm  # regularisation of both MLPs' hidden layers
-        self.bottom = mlp([num_dense, *cfg.bottom_mlp], True, drop, norm) if num_dense else None
+        bottom_drop = drop if cfg.bottom_dropout < 0 else cfg.bottom_dropout
+        self.bottom = mlp([num_dense, *cfg.bottom_mlp], True, bottom_drop, norm) if num_dense else None
         dense_dim = cfg.bottom_mlp[-1] if num_dense else 0
         self.interaction: nn.Module
         if cfg.interaction == "dot":
@@ -55,7 +56,8 @@ class DLRM(nn.Module):
         elif cfg.interaction == "cat":
             self.interaction = CatInteraction(f, d, dense_dim)
         else:
-            self.interaction = DCNv2Interaction(f, d, dense_dim, cfg.dcn_layers, cfg.dcn_low_rank)
+            self.interaction = DCNv2Interaction(f, d, dense_dim, cfg.dcn_layers, cfg.dcn_low_rank, cfg.dcn_structure,
+                                                cfg.dcn_parallel_mlp, cfg.dcn_stacked_mlp, drop, norm)
         self.top = mlp([self.interaction.out_dim, *cfg.top_mlp], False, drop, norm)
         # Drawn after the MLPs, so that a model without it draws exactly as before.
         self.projection = (TableProjection(embeddings.feature_dims, embeddings.feature_table, len(embeddings.tables), d)
