@@ -101,7 +101,7 @@ def build_model(
     model.check_dense(num_dense)  # the bottom MLP's widths, now that the data's dense features are known
     names = names or [f"t{i}" for i in range(len(table_sizes))]
     model.check_table_names(names)
-    tables = table_configs(table_sizes, model.embedding_dim, names, model.table_dims, zero_rows,
+    tables = table_configs(table_sizes, model.table_width, names, model.table_dims, zero_rows,
                            model.embedding_init_bound)
     qr = QRSplit.build(tables, model.qr_collisions, model.qr_threshold, model.qr_operation)
     if qr is not None:  # the collection holds the quotient and remainder tables

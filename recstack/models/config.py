@@ -22,6 +22,11 @@ class ModelConfig:
     ``bottom_dropout`` >= 0 gives the bottom MLP its own rate (FuxiCTR DLRM's ``bottom_mlp_dropout`` beside
     ``top_mlp_dropout``); -1 (default) uses ``dropout``.
 
+    ``interaction = "fm"`` is DeepFM: every table holds ``embedding_dim`` + 1 columns, the last the feature's
+    first-order weight; the factorization machine's logit (bias, first and second order) is added to the top
+    MLP's, whose input is concat(bottom MLP output, the features' vectors) (``recstack.models.interaction.
+    FMInteraction``). Not with ``table_dims`` or quotient-remainder tables.
+
     ``interaction = "dcn"``: DCNv2's cross network of ``dcn_layers`` layers, of rank ``dcn_low_rank`` (0: full
     rank, FuxiCTR's CrossNetV2), in ``dcn_structure`` (FuxiCTR's ``model_structure``): ``stacked`` (the top MLP on
     the cross output; top_mlp = [1] is crossnet_only), ``parallel`` (a DNN of ``dcn_parallel_mlp`` beside it, both
@@ -43,7 +48,7 @@ class ModelConfig:
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
-    interaction: Literal["dot", "cat", "dcn"] = "dot"
+    interaction: Literal["dot", "cat", "dcn", "fm"] = "dot"
     interaction_itself: bool = False
     dcn_layers: int = 3
     dcn_low_rank: int = 512
@@ -86,6 +91,10 @@ class ModelConfig:
             raise ConfigError(f"model.bottom_dropout: must be in [0, 1), or -1 for model.dropout's rate, got "
                               f"{self.bottom_dropout}")
         self._check_dcn()
+        if self.interaction == "fm" and (self.table_dims or self.qr_collisions):
+            key = "table_dims" if self.table_dims else "qr_collisions"
+            raise ConfigError(f"model.{key}: not supported with model.interaction = 'fm' (DeepFM's tables carry "
+                              "the first-order weight as one more column of embedding_dim + 1); use one or the other")
         for name, dim in self.table_dims.items():
             if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
                 raise ConfigError(f"model.table_dims.{name}: must be a positive integer, got {dim!r}")
@@ -106,9 +115,15 @@ class ModelConfig:
                 raise ConfigError(f"model.{name}: not used with {why} (with 'stacked' the top MLP is the DNN on the "
                                   "cross network); leave it [] or change that")
 
+    @property
+    def table_width(self) -> int:
+        """The columns of a table of ``embedding_dim``: one more with ``interaction = "fm"`` (the first-order
+        weight)."""
+        return self.embedding_dim + (1 if self.interaction == "fm" else 0)
+
     def table_dim(self, name: str) -> int:
-        """The embedding dim of table ``name``: its ``table_dims`` entry, else ``embedding_dim``."""
-        return self.table_dims.get(name, self.embedding_dim)
+        """The embedding dim of table ``name``: its ``table_dims`` entry, else ``table_width``."""
+        return self.table_dims.get(name, self.table_width)
 
     def check_table_names(self, names: list[str]) -> None:
         """Every ``table_dims`` key against the data's table names, checked when the model is built."""

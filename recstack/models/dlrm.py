@@ -16,7 +16,7 @@ from recstack.embedding.collection import EmbeddingCollection
 from recstack.embedding.qr import QRSplit
 from recstack.models.config import ModelConfig
 from recstack.models.fused_mlp import MLP, Norm
-from recstack.models.interaction import CatInteraction, DCNv2Interaction, DotInteraction
+from recstack.models.interaction import CatInteraction, DCNv2Interaction, DeepFMTop, DotInteraction, FMInteraction
 from recstack.models.projection import TableProjection
 
 
@@ -55,13 +55,20 @@ class DLRM(nn.Module):
             self.interaction = DotInteraction(f, d, bool(num_dense), cfg.interaction_itself)
         elif cfg.interaction == "cat":
             self.interaction = CatInteraction(f, d, dense_dim)
+        elif cfg.interaction == "fm":
+            self.interaction = FMInteraction(f, d, dense_dim)
         else:
             self.interaction = DCNv2Interaction(f, d, dense_dim, cfg.dcn_layers, cfg.dcn_low_rank, cfg.dcn_structure,
                                                 cfg.dcn_parallel_mlp, cfg.dcn_stacked_mlp, drop, norm)
-        self.top = mlp([self.interaction.out_dim, *cfg.top_mlp], False, drop, norm)
-        # Drawn after the MLPs, so that a model without it draws exactly as before.
+        if cfg.interaction == "fm":  # the DNN on the features, the FM's logit added to its own
+            self.top: nn.Module = DeepFMTop([self.interaction.out_dim - 1, *cfg.top_mlp], False, drop, norm)
+        else:
+            self.top = mlp([self.interaction.out_dim, *cfg.top_mlp], False, drop, norm)
+        # Drawn after the MLPs, so that a model without it draws exactly as before. (DeepFM's tables are D + 1
+        # wide by design: their last column is the FM's first-order weight.)
+        width = cfg.table_width
         self.projection = (TableProjection(embeddings.feature_dims, embeddings.feature_table, len(embeddings.tables), d)
-                           if any(x != d for x in embeddings.feature_dims) else None)
+                           if any(x != width for x in embeddings.feature_dims) else None)
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Parameters trained by the dense optimizer (and all-reduced by DDP); embeddings update themselves."""

@@ -118,3 +118,35 @@ class DCNv2Interaction(nn.Module):
         if self.parallel is not None:
             x = torch.cat([x, self.parallel(x0)], dim=1)  # [B, out_dim]
         return x
+
+
+class FMInteraction(nn.Module):
+    """DeepFM's factorization machine beside its DNN. Each table holds D + 1 columns: the feature's vector v_f
+    [D] and its first-order (logistic regression) weight w_f, so the FM's weights live, are updated, sharded and
+    checkpointed with the rows like every other column (FuxiCTR keeps them in a separate table of dim 1).
+
+    dense [B, dense_dim] or None, emb [B, F, D + 1] -> [B, dense_dim + F D + 1]: the DNN's input
+    concat(dense, v_1, ..., v_F), then one column, the FM logit b + sum_f w_f + 0.5 sum_d ((sum_f v_fd)^2 -
+    sum_f v_fd^2), which ``DeepFMTop`` adds to the DNN's logit instead of feeding it in."""
+
+    def __init__(self, num_features: int, dim: int, dense_dim: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.out_dim = dense_dim + num_features * dim + 1
+
+    def forward(self, dense: torch.Tensor | None, emb: torch.Tensor) -> torch.Tensor:
+        v, w = emb[..., :-1], emb[..., -1]  # [B, F, D], [B, F]
+        summed = v.sum(1)  # [B, D]
+        second = 0.5 * (summed.pow(2) - v.pow(2).sum(1)).sum(1, keepdim=True)  # [B, 1]
+        logit = second + w.sum(1, keepdim=True) + self.bias  # [B, 1]
+        flat = v.reshape(v.shape[0], v.shape[1] * v.shape[2])  # [B, F D] (B may be 0)
+        parts = [dense, flat, logit] if dense is not None else [flat, logit]
+        return torch.cat(parts, dim=1)
+
+
+class DeepFMTop(MLP):
+    """The top MLP of a DeepFM (``FMInteraction``): the DNN on every column but the last, plus the last (the FM
+    logit): x [B, n + 1] -> [B, 1]. An ``MLP`` of the same layers and state-dict keys as any top MLP."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x[:, :-1]) + x[:, -1:]
