@@ -29,8 +29,9 @@ Markdown tables to stderr and JSON to stdout (and ``--out``):
 
     python bench/quality.py [--quick | --smoke] [--parity] [--out bench/results/quality.json]
 
-``--parity`` also trains recstack with each FuxiCTR model's own published settings (``configs/parity/``,
-``bench/quality_parity.py``) and reports, per model, whether it lands within the seeds' spread of FuxiCTR's.
+``--parity`` trains recstack with each FuxiCTR model's own published settings instead of the recipe
+(``configs/parity/``, ``bench/quality_parity.py``) and reports, per model, whether it lands within the seeds'
+spread of FuxiCTR's.
 """
 
 from __future__ import annotations
@@ -396,7 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="--quick on the first 3,000 ratings, recstack only")
     ap.add_argument("--no-fuxictr", action="store_true", help="recstack only")
     ap.add_argument("--parity", action="store_true",
-                    help="also recstack with each FuxiCTR model's settings (configs/parity/), against that model")
+                    help="recstack with each FuxiCTR model's settings (configs/parity/) instead of the recipe, "
+                         "against that model")
     ap.add_argument("--fuxictr-python", default=os.environ.get("FUXICTR_PYTHON", "/work/venv-fuxictr/bin/python"),
                     help="the interpreter of FuxiCTR's environment (default: $FUXICTR_PYTHON or /work/venv-fuxictr)")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "quality", help="splits, prepared data and runs")
@@ -415,7 +417,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[quality] {name}: preparing", file=sys.stderr, flush=True)
         ds = prepare(name, args.work, smoke=args.smoke)
         runs = []
-        for seed in args.seeds:
+        for seed in args.seeds if not args.parity else ():
             runs.append(run_recstack(name, ds["layout"], ds["rows"]["train"], seed, args.work))
             print(f"[quality] {name}: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
         parity_runs = []
@@ -434,9 +436,10 @@ def main(argv: list[str] | None = None) -> dict:
                 for r in fx:
                     print(f"[quality] {name}: {json.dumps(r)}", file=sys.stderr, flush=True)
                 runs += fx
-        ds["runs"], ds["models"] = runs + parity_runs, summarize(runs + parity_runs)
-        if fuxictr:
-            ds["vs_best_peer"] = compare_to_best_peer(args.work / name, runs, summarize(runs))
+        runs += parity_runs
+        ds["runs"], ds["models"] = runs, summarize(runs)
+        if fuxictr and not args.parity:
+            ds["vs_best_peer"] = compare_to_best_peer(args.work / name, runs, ds["models"])
             print(f"[quality] {name}: {json.dumps(ds['vs_best_peer'])}", file=sys.stderr, flush=True)
         if parity_runs:
             ds["parity"] = verdicts(ds["models"])

@@ -1,12 +1,12 @@
 """``bench/quality.py --parity``: recstack configured with FuxiCTR's published hyperparameters against FuxiCTR itself.
 
 For each data set and each FuxiCTR model the bench runs (DLRM, DCNv2 with the BARS settings of ``SETTINGS``),
-recstack trains ``configs/parity/<layout>_<model>.toml``, the same settings in recstack's keys (Adam on the
-tables with FuxiCTR's all-rows embedding L2, its MLP / cross-network structure, batch norm and dropout, batch
-4096, early stopping on validation AUC with patience 2 and the learning rate / 10 at each plateau), evaluated
-once per epoch as FuxiCTR evaluates, on the same splits and seeds. The verdict per model: whether recstack's test
-AUCs over the seeds and FuxiCTR's overlap ([min, max] of each, "within the seeds' spread"); with one seed there is
-no spread and only the difference is reported.
+recstack trains ``configs/parity/<layout>_<model>.toml`` instead of its recipe: the same settings in recstack's
+keys (Adam on the tables with FuxiCTR's all-rows embedding L2, its MLP / cross-network structure, batch norm and
+dropout, batch 4096, early stopping on validation AUC with patience 2 and the learning rate / 10 at each
+plateau), evaluated once per epoch as FuxiCTR evaluates, on the same splits and seeds. The verdict per model:
+whether recstack's test AUCs over the seeds and FuxiCTR's overlap ([min, max] of each, "within the seeds'
+spread"); with one seed there is no spread and only the difference is reported.
 """
 
 from __future__ import annotations

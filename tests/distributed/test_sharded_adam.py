@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_train, torchrun
-from test_sharded import _run, _spawn
+from test_sharded import _run, _spawn, assert_match_single_process
 
 from recstack.data.prepared_dataset import PreparedDataset
 from recstack.embedding.collection import TableConfig
@@ -28,15 +28,8 @@ def test_adam_sharded_matches_single_process(tiny_dataset: Path, tmp_path: Path,
                                              names: list[str]) -> None:
     """All-rows decay: each rank steps every row it holds (its row or column block, or its replica)."""
     torch.set_num_threads(1)
-    ref_losses, ref_auc, ref_tables, _ = _run(tiny_dataset, "adam", 0, 1, extra=extra, steps=20)
-    results = _spawn(tmp_path, tiny_dataset, 2, "adam", names, extra, steps=20)
-    for name in names:
-        losses, auc, tables, _ = results[name]
-        assert losses == pytest.approx(ref_losses, abs=1e-5), name
-        assert auc == pytest.approx(ref_auc, abs=1e-5), name
-        for t, r in zip(tables, ref_tables, strict=True):
-            torch.testing.assert_close(t, r, atol=1e-5, rtol=1e-4, msg=f"{name}: tables differ")
-    assert ref_losses[-1] < ref_losses[0]
+    ref = _run(tiny_dataset, "adam", 0, 1, extra=extra, steps=20)
+    assert_match_single_process(_spawn(tmp_path, tiny_dataset, 2, "adam", names, extra, steps=20), names, ref)
 
 
 COMMON = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.threads=1",
