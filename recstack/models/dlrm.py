@@ -61,7 +61,7 @@ class DLRM(nn.Module):
             self.interaction = DCNv2Interaction(f, d, dense_dim, cfg.dcn_layers, cfg.dcn_low_rank, cfg.dcn_structure,
                                                 cfg.dcn_parallel_mlp, cfg.dcn_stacked_mlp, drop, norm)
         if cfg.interaction == "fm":  # the DNN on the features, the FM's logit added to its own
-            self.top: nn.Module = DeepFMTop([self.interaction.out_dim - 1, *cfg.top_mlp], False, drop, norm)
+            self.top: nn.Sequential = DeepFMTop([self.interaction.out_dim - 1, *cfg.top_mlp], False, drop, norm)
         else:
             self.top = mlp([self.interaction.out_dim, *cfg.top_mlp], False, drop, norm)
         # Drawn after the MLPs, so that a model without it draws exactly as before. (DeepFM's tables are D + 1

@@ -3,12 +3,13 @@ global batches), and sharded checkpoints of Adam's state resumed bit for bit and
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_train, torchrun
+from conftest import cli_train, run_cli, torchrun
 from test_sharded import _run, _spawn, assert_match_single_process
 
 from recstack.data.prepared_dataset import PreparedDataset
@@ -49,9 +50,9 @@ def _tables(run: Path, data: Path, step: int) -> tuple[torch.Tensor, dict[str, t
 def test_adam_state_resumes_bit_exact_and_reshards(tiny_dataset: Path, tmp_path: Path) -> None:
     """2 ranks row-wise for 20 steps; its step-10 checkpoint resumed row-wise: the same tables and Adam state at
     step 20, bit for bit. Resumed column-wise (m and v split by columns now): the same up to float rounding."""
-    def train(run: Path, sharding: str, *flags: str) -> None:
-        cli_train(run, tiny_dataset, [*COMMON, f'dist.sharding="{sharding}"', "train.max_steps=20"], *flags,
-                  launcher=torchrun(2), timeout=400)
+    def train(run: Path, sharding: str, *flags: str) -> dict:
+        return cli_train(run, tiny_dataset, [*COMMON, f'dist.sharding="{sharding}"', "train.max_steps=20"], *flags,
+                         launcher=torchrun(2), timeout=400)
 
     def resume_from_step_10(run: Path, sharding: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         (run / "checkpoints").mkdir(parents=True)
@@ -60,7 +61,11 @@ def test_adam_state_resumes_bit_exact_and_reshards(tiny_dataset: Path, tmp_path:
         return _tables(run, tiny_dataset, 20)
 
     straight = tmp_path / "straight"
-    train(straight, "row_wise")
+    summary = train(straight, "row_wise")
+    # one process reads the sharded checkpoint with its Adam state (recstack eval puts the tables together)
+    res = run_cli(["eval", "--checkpoint", str(straight)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout)["auc"] == pytest.approx(summary["auc"], abs=1e-6)
     w_ref, s_ref = _tables(straight, tiny_dataset, 20)
     assert sorted(s_ref) == ["exp_avg", "exp_avg_sq", "row_step"]
     assert float(s_ref["row_step"].max()) > 10 and float(s_ref["exp_avg_sq"].abs().sum()) > 0
