@@ -7,8 +7,8 @@ in Neo's fused optimizer) and keeps one accumulator per row (the mean of the squ
 not one per element. SGD is linear in the gradient, so on CPU it skips the aggregation and adds each id's
 scaled gradient straight into its row: the same update up to float rounding, still in a fixed order.
 
-Weight decay (``weight_decay`` = wd, L2 on the rows a step touches, lazily, as FBGEMM's / TorchRec's fused
-optimizers with ``WeightDecayMode.L2`` and FuxiCTR's ``embedding_regularizer``): for every distinct row r
+Weight decay (``weight_decay`` = wd; ``weight_decay_mode = "touched"``, the default: L2 on the rows a step
+touches, lazily, as FBGEMM's / TorchRec's fused optimizers with ``WeightDecayMode.L2``): for every distinct row r
 that the step's ids touch, once however often r occurs, the summed gradient becomes g_r + wd * w_r (w_r the
 row before the step), and the optimizer then updates with it: SGD w_r -= lr * (g_r + wd * w_r); row-wise
 Adagrad accumulates the mean square of that gradient. Rows the step does not touch neither decay nor move.
@@ -27,8 +27,9 @@ their moments. Per element, m and v ([R, D] each, split with the weight's column
 and per row the number of steps that touched it, k (float32 [R], exact to 2^24 steps): for a touched row
 k += 1, m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2, w -= lr * (m / (1 - b1^k)) / (sqrt(v / (1 - b2^k)) +
 eps): torch.optim.Adam's formula with the row's own step count in the bias correction. A row touched every step
-is updated exactly as dense Adam updates it; a rare row gets fully bias-corrected steps when it is touched
-(SparseAdam's global count would over-correct its moments' decay it never had). In ``all_rows`` mode every row
+is updated exactly as dense Adam updates it; a rare row gets a fully bias-corrected step when it is touched
+(with SparseAdam's global count, a row first touched at step 1000 steps by about 3.2 lr: its moments are
+corrected for 1000 steps of averaging they never had). In ``all_rows`` mode every row
 is stepped every step, so k is the global step and the update is torch.optim.Adam's with ``weight_decay``.
 
 The state an optimizer keeps with each row is declared by ``state_parts`` (``StatePart``): Adagrad's
