@@ -82,8 +82,9 @@ class CatInteraction(nn.Module):
 
 class DCNv2Interaction(nn.Module):
     """DCNv2's cross network over x0 = concat(dense, embeddings) [B, n]: x_{l+1} = x0 * (W_l x_l + b_l) + x_l,
-    W_l = U_l V_l of rank ``low_rank`` (U_l [n, r], V_l [r, n], as in the MLPerf DLRMv2 model), or a full
-    W_l [n, n] with ``low_rank`` = 0 (FuxiCTR's CrossNetV2, use_low_rank_mixture = False).
+    W_l = U_l V_l of rank ``low_rank`` (U_l [n, r], V_l [r, n], as in the MLPerf DLRMv2 model, torch's default
+    initialisation), or a full W_l [n, n] with ``low_rank`` = 0 (FuxiCTR's CrossNetV2, use_low_rank_mixture =
+    False, initialised as FuxiCTR does: Xavier normal, bias 0).
 
     ``structure`` (FuxiCTR DCNv2's ``model_structure``): ``stacked`` returns the cross output [B, n] (the top MLP
     is the DNN stacked on it; a top MLP of [1] is FuxiCTR's crossnet_only); ``parallel`` returns
@@ -99,6 +100,11 @@ class DCNv2Interaction(nn.Module):
         self.v = nn.ModuleList((nn.Linear(n, low_rank, bias=False) if low_rank else nn.Identity())
                                for _ in range(layers))
         self.u = nn.ModuleList(nn.Linear(low_rank or n, n, bias=True) for _ in range(layers))
+        if not low_rank:  # as FuxiCTR initialises its CrossNetV2 (BaseModel.reset_parameters)
+            with torch.no_grad():
+                for u in self.u:
+                    nn.init.xavier_normal_(u.weight)
+                    u.bias.zero_()
         # Drawn after the cross layers, so that a stacked network draws exactly as before.
         self.stacked = (MLP([n, *stacked_mlp], True, dropout, norm, hidden_last=True)
                         if structure == "stacked_parallel" and stacked_mlp else None)

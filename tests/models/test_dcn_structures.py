@@ -35,6 +35,8 @@ def _cross(net: DCNv2Interaction, x0: torch.Tensor) -> torch.Tensor:
 def test_full_rank_cross_network_is_one_n_by_n_matrix_per_layer() -> None:
     net = DCNv2Interaction(F, D, DENSE, layers=2, low_rank=0)
     assert [tuple(u.weight.shape) for u in net.u] == [(N, N)] * 2
+    assert all(float(u.bias.abs().sum()) == 0 for u in net.u)  # FuxiCTR's init: Xavier normal, bias 0
+    assert 0.7 < float(torch.cat([u.weight.flatten() for u in net.u]).std()) * N**0.5 < 1.3  # std 1 / sqrt(n)
     assert sorted(net.state_dict()) == ["u.0.bias", "u.0.weight", "u.1.bias", "u.1.weight"]
     dense, emb = _inputs()
     x0 = torch.cat([dense, emb.flatten(1)], 1)
