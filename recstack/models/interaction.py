@@ -99,12 +99,13 @@ class DCNv2Interaction(nn.Module):
         n = dense_dim + num_features * dim
         self.v = nn.ModuleList((nn.Linear(n, low_rank, bias=False) if low_rank else nn.Identity())
                                for _ in range(layers))
-        self.u = nn.ModuleList(nn.Linear(low_rank or n, n, bias=True) for _ in range(layers))
+        cross = [nn.Linear(low_rank or n, n, bias=True) for _ in range(layers)]
         if not low_rank:  # as FuxiCTR initialises its CrossNetV2 (BaseModel.reset_parameters)
             with torch.no_grad():
-                for u in self.u:
+                for u in cross:
                     nn.init.xavier_normal_(u.weight)
                     u.bias.zero_()
+        self.u = nn.ModuleList(cross)
         # Drawn after the cross layers, so that a stacked network draws exactly as before.
         self.stacked = (MLP([n, *stacked_mlp], True, dropout, norm, hidden_last=True)
                         if structure == "stacked_parallel" and stacked_mlp else None)
