@@ -27,7 +27,11 @@ of the mean test AUCs with a 95% interval from a paired bootstrap over its test 
 both libraries' test predictions are saved for it): how much of a difference the test split can tell apart. Prints
 Markdown tables to stderr and JSON to stdout (and ``--out``):
 
-    python bench/quality.py [--quick | --smoke] [--out bench/results/quality.json]
+    python bench/quality.py [--quick | --smoke] [--parity] [--out bench/results/quality.json]
+
+``--parity`` trains recstack with each FuxiCTR model's own published settings instead of the recipe
+(``configs/parity/``, ``bench/quality_parity.py``) and reports, per model, whether it lands within the seeds'
+spread of FuxiCTR's.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from fetch_movielens import fetch as fetch_ml100k  # noqa: E402
+from quality_parity import PARITY_MODELS, parity_table, run_parity_recstack, verdicts  # noqa: E402
 
 CRITEO_SAMPLE = ROOT.parent / "shared" / "data" / "criteo_kaggle_sample.tsv"
 if not CRITEO_SAMPLE.is_file():  # a checkout with shared/ inside it
@@ -391,6 +396,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="one seed, MovieLens-100k only")
     ap.add_argument("--smoke", action="store_true", help="--quick on the first 3,000 ratings, recstack only")
     ap.add_argument("--no-fuxictr", action="store_true", help="recstack only")
+    ap.add_argument("--parity", action="store_true",
+                    help="recstack with each FuxiCTR model's settings (configs/parity/) instead of the recipe, "
+                         "against that model")
     ap.add_argument("--fuxictr-python", default=os.environ.get("FUXICTR_PYTHON", "/work/venv-fuxictr/bin/python"),
                     help="the interpreter of FuxiCTR's environment (default: $FUXICTR_PYTHON or /work/venv-fuxictr)")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "quality", help="splits, prepared data and runs")
@@ -409,9 +417,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[quality] {name}: preparing", file=sys.stderr, flush=True)
         ds = prepare(name, args.work, smoke=args.smoke)
         runs = []
-        for seed in args.seeds:
+        for seed in args.seeds if not args.parity else ():
             runs.append(run_recstack(name, ds["layout"], ds["rows"]["train"], seed, args.work))
             print(f"[quality] {name}: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
+        parity_runs = []
+        for model in PARITY_MODELS if args.parity else ():
+            for seed in args.seeds:
+                parity_runs.append(run_parity_recstack(name, ds["layout"], model, ds["rows"]["train"], seed,
+                                                       args.work))
+                print(f"[quality] {name}: {json.dumps(parity_runs[-1])}", file=sys.stderr, flush=True)
         if fuxictr:
             ds["fuxictr_settings"] = {}
             for model in ("DLRM", "DCNv2"):
@@ -422,16 +436,22 @@ def main(argv: list[str] | None = None) -> dict:
                 for r in fx:
                     print(f"[quality] {name}: {json.dumps(r)}", file=sys.stderr, flush=True)
                 runs += fx
+        runs += parity_runs
         ds["runs"], ds["models"] = runs, summarize(runs)
-        if fuxictr:
+        if fuxictr and not args.parity:
             ds["vs_best_peer"] = compare_to_best_peer(args.work / name, runs, ds["models"])
             print(f"[quality] {name}: {json.dumps(ds['vs_best_peer'])}", file=sys.stderr, flush=True)
+        if parity_runs:
+            ds["parity"] = verdicts(ds["models"])
+            print(f"[quality] {name}: parity {json.dumps(ds['parity'])}", file=sys.stderr, flush=True)
         result["datasets"][name] = ds
         result["total_s"] = round(time.perf_counter() - t_all, 1)
         if args.out:  # after every data set: a long run stopped part-way keeps what it measured
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result), file=sys.stderr)
+    if args.parity:
+        print("\n" + parity_table(result), file=sys.stderr)
     print(json.dumps(result, indent=2))
     return result
 

@@ -67,6 +67,15 @@ def validate(cfg: Config, *, check_device: bool = True) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     cfg.memory.validate()
+    from recstack.embedding.sparse_optim import sparse_optimizer_config  # torch: only when a config is checked
+    from recstack.embedding.tiered.collection import refuse_tiers
+    from recstack.embedding.tiered.placement import memory_budgets_set
+
+    if memory_budgets_set(cfg.memory):  # the tiers refuse it too; said here before any data is read
+        try:
+            refuse_tiers(sparse_optimizer_config(cfg.optim))
+        except ConfigError as e:
+            raise ConfigError(f"{e} (memory.device={cfg.memory.device!r}, memory.host={cfg.memory.host!r})") from e
     if cfg.optim.plateau_patience and not cfg.train.eval_every:
         raise ConfigError("optim.plateau_patience: needs train.eval_every > 0 (the metric is checked at each "
                           "evaluation)")

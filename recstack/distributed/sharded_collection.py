@@ -112,7 +112,7 @@ class ReplicatedEmbeddingBagCollection(FusedEmbeddingBagCollection):
         dense /= dist.get_world_size(self.group)
         self.stats.add("allreduce_emb", dense.numel() * dense.element_size(), time.perf_counter() - t0)
         touched = dense.abs().sum(1).nonzero().squeeze(1)  # rows no rank touched keep their state
-        self.optimizer.step(self.weight, self.accumulator, touched, dense[touched])
+        self.optimizer.step(self.weight, self.optimizer_state(), touched, dense[touched])
 
 
 class ShardedEmbeddingCollection(EmbeddingCollection):
@@ -349,9 +349,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         return [[(f, s.table, s.row0, s.row1, s.col0, s.col1) for f, s in per_rank] for per_rank in self.pairs]
 
     # -- inspection ----------------------------------------------------------------------------------------
-    def local_shards(self) -> list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]]:
-        """(table name, shard, weight [rows, d], row-wise accumulator [rows] or None) of every shard this rank
-        holds: the model-parallel ones in group order, then each replicated table as one whole-table shard
+    def local_shards(self) -> list[tuple[str, Shard, torch.Tensor, dict[str, torch.Tensor]]]:
+        """(table name, shard, weight [rows, d], optimizer state {part: [rows] or [rows, d]}) of every shard this
+        rank holds: the model-parallel ones in group order, then each replicated table as one whole-table shard
         (table index -1, on this rank). In-memory shards give views: writing into them writes the rows (a
         checkpoint load). Shards in cached tiers give CPU copies of their rows (their caches flushed into their
         stores first); to load rows into them, write into the copies, then hand them to ``store_local_shards``."""
@@ -361,25 +361,28 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             for i, tc in enumerate(group.tables):
                 name, si = tc.name.rsplit(".shard", 1)
                 t = next(j for j, x in enumerate(self.tables) if x.name == name)
+                state: dict[str, torch.Tensor] = {}
                 if isinstance(group, TieredEmbeddingCollection):
                     weight, acc = group.table_state(tc.name)
+                    if acc is not None:
+                        state["accumulator"] = acc
                 elif isinstance(group, FusedEmbeddingBagCollection):
                     lo, hi = int(group.table_offsets[i]), int(group.table_offsets[i + 1])
                     weight = group.weight[lo:hi]
-                    acc = group.accumulator[lo:hi] if group.accumulator is not None else None
+                    state = {k: v[lo:hi] for k, v in group.optimizer_state().items()}
                 else:
                     raise NotImplementedError(f"local_shards: cannot read the rows of a {type(group).__name__}")
-                out.append((name, self.shards[t][int(si)], weight, acc))
+                out.append((name, self.shards[t][int(si)], weight, state))
         if self.replicated is not None:
             rep = self.replicated
             for i, tc in enumerate(rep.tables):
                 lo, hi = int(rep.table_offsets[i]), int(rep.table_offsets[i + 1])
                 full = Shard(-1, 0, self.rank, 0, tc.num_embeddings, 0, tc.embedding_dim, "local")
-                acc = rep.accumulator[lo:hi] if rep.accumulator is not None else None
-                out.append((tc.name, full, rep.weight[lo:hi], acc))
+                out.append((tc.name, full, rep.weight[lo:hi],
+                            {k: v[lo:hi] for k, v in rep.optimizer_state().items()}))
         return out
 
-    def store_local_shards(self, shards: list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]]) -> None:
+    def store_local_shards(self, shards: list[tuple[str, Shard, torch.Tensor, dict[str, torch.Tensor]]]) -> None:
         """Load the rows written into the copies ``local_shards`` gave (in its order) into the shards held in
         cached tiers (their caches start empty); in-memory shards were written through their views already."""
         at = 0
@@ -388,7 +391,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             mine, at = shards[at : at + len(group.tables)], at + len(group.tables)
             if group.stores_rows_in_files:
                 weight = torch.cat([w for _, _, w, _ in mine])
-                accs = [a for _, _, _, a in mine if a is not None]
+                accs = [st["accumulator"] for _, _, _, st in mine if "accumulator" in st]
                 group.restore_tensors(weight, torch.cat(accs) if accs else None)
 
     def table_weight(self, name: str) -> torch.Tensor:

@@ -62,7 +62,7 @@ class FusedEmbeddingBagCollection(EmbeddingCollection):
 
     # buffers, declared for the type checker (nn.Module's __getattr__ would type them Tensor | Module)
     weight: torch.Tensor  # [R, D]
-    accumulator: torch.Tensor | None  # [R]
+    accumulator: torch.Tensor | None  # [R] with row-wise Adagrad (Adam's state: ``optimizer_state``)
     table_offsets: torch.Tensor  # [T + 1]
     feature_offsets: torch.Tensor  # [F]
 
@@ -97,12 +97,9 @@ class FusedEmbeddingBagCollection(EmbeddingCollection):
                     init_block(t, seed, i, (0, t.num_embeddings), (0, t.embedding_dim), out=rows)
                 r0 += t.num_embeddings
         self.register_buffer("weight", weight)  # [R, D]
-        acc = None
-        if self.optimizer.needs_accumulator:
-            acc = torch.full(
-                (weight.shape[0],), optimizer.initial_accumulator_value, dtype=torch.float32, device=device
-            )
-        self.register_buffer("accumulator", acc)  # [R] or None
+        self.register_buffer("accumulator", None)  # [R] with row-wise Adagrad, set below
+        for name, value in self.optimizer.new_state(weight.shape[0], self.embedding_dim, device).items():
+            self.register_buffer(name, value)  # the optimizer's state_parts: [R] or [R, D]
         self._anchor = torch.zeros(0, device=device)
 
     def global_rows(self, sparse: SparseFeatures) -> torch.Tensor:
@@ -128,7 +125,11 @@ class FusedEmbeddingBagCollection(EmbeddingCollection):
     def apply_gradients(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """rows [N] of the concatenated weight (may repeat), grads [N, D]: one optimizer update.
         Subclasses that must combine gradients across processes first (replicated tables) override this."""
-        self.optimizer.step(self.weight, self.accumulator, rows, grads)
+        self.optimizer.step(self.weight, self.optimizer_state(), rows, grads)
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """{part name: [R] or [R, D]} of the optimizer's ``state_parts``, the buffers themselves."""
+        return {p.name: getattr(self, p.name) for p in self.optimizer.state_parts}
 
     def table_weight(self, name: str) -> torch.Tensor:
         i = next(i for i, t in enumerate(self.tables) if t.name == name)

@@ -7,7 +7,13 @@ from typing import TextIO
 
 import torch
 
-from recstack.embedding import EmbeddingCollection, FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
+from recstack.embedding import (
+    EmbeddingCollection,
+    FusedEmbeddingBagCollection,
+    SparseOptimizer,
+    SparseOptimizerConfig,
+    TableConfig,
+)
 from recstack.embedding.mixed import MixedDimEmbeddingCollection
 from recstack.embedding.qr import QRSplit
 from recstack.embedding.tiered.config import MemoryConfig
@@ -48,13 +54,15 @@ def device_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
 
 
-def check_tables_fit(tables: list[TableConfig], row_state: bool, device: torch.device) -> None:
-    """Before allocating: the tables held in memory on ``device`` (float32 rows, and with ``row_state`` one
-    float32 accumulator per row) must fit in its memory; a ConfigError naming the largest table and the bytes
-    needed and there otherwise (an absurd table size would end in an allocator error without either)."""
+def check_tables_fit(tables: list[TableConfig], optimizer: SparseOptimizerConfig, device: torch.device) -> None:
+    """Before allocating: the tables held in memory on ``device`` (float32 rows and the ``optimizer``'s float32
+    state with each: S = 0, 1 or 2 D + 1 values per row) must fit in its memory; a ConfigError naming the largest
+    table and the bytes needed and there otherwise (an absurd table size would end in an allocator error
+    without either)."""
     if not tables:
         return
-    per_row = [4 * t.embedding_dim + (4 if row_state else 0) for t in tables]
+    width = SparseOptimizer(optimizer).state_width
+    per_row = [4 * (t.embedding_dim + width(t.embedding_dim)) for t in tables]
     need = [t.num_embeddings * b for t, b in zip(tables, per_row, strict=True)]
     have = device_memory(device)
     if sum(need) <= have:
@@ -124,7 +132,7 @@ def build_model(
     check_mlps_fit(model, num_dense, batch_size, torch.device(device))
     names = names or [f"t{i}" for i in range(len(table_sizes))]
     model.check_table_names(names)
-    tables = table_configs(table_sizes, model.embedding_dim, names, model.table_dims, zero_rows,
+    tables = table_configs(table_sizes, model.table_width, names, model.table_dims, zero_rows,
                            model.embedding_init_bound)
     qr = QRSplit.build(tables, model.qr_collisions, model.qr_threshold, model.qr_operation)
     if qr is not None:  # the collection holds the quotient and remainder tables
@@ -136,7 +144,7 @@ def build_model(
         raise ConfigError("model.table_dims: tables of different dims cannot be placed over memory tiers "
                           "([memory] budgets); give every table model.embedding_dim or drop the budgets")
     if not budgets and not tables_on_meta:  # (sharded tables: each rank builds its shards, planned to fit)
-        check_tables_fit(tables, sparse_optim.kind == "rowwise_adagrad", torch.device(device))
+        check_tables_fit(tables, sparse_optim, torch.device(device))
     if budgets and not tables_on_meta:  # tables that do not fit get cached tiers (plan printed); sharded, each
         # rank places its own shards instead (``recstack.distributed.tiered_shards``)
         assert memory is not None

@@ -19,6 +19,20 @@ class ModelConfig:
     each hidden layer's output before its ReLU (``batch``: BatchNorm1d, ``layer``: LayerNorm), ``dropout``
     zeroes each hidden activation with that probability in training (after the ReLU; identity in eval).
     Both off by default, and then the MLPs are exactly today's (the fused training step, same numerics).
+    ``bottom_dropout`` >= 0 gives the bottom MLP its own rate (FuxiCTR DLRM's ``bottom_mlp_dropout`` beside
+    ``top_mlp_dropout``); -1 (default) uses ``dropout``.
+
+    ``interaction = "fm"`` is DeepFM: every table holds ``embedding_dim`` + 1 columns, the last the feature's
+    first-order weight; the factorization machine's logit (bias, first and second order) is added to the top
+    MLP's, whose input is concat(bottom MLP output, the features' vectors) (``recstack.models.interaction.
+    FMInteraction``). Not with ``table_dims`` or quotient-remainder tables.
+
+    ``interaction = "dcn"``: DCNv2's cross network of ``dcn_layers`` layers, of rank ``dcn_low_rank`` (0: full
+    rank, FuxiCTR's CrossNetV2), in ``dcn_structure`` (FuxiCTR's ``model_structure``): ``stacked`` (the top MLP on
+    the cross output; top_mlp = [1] is crossnet_only), ``parallel`` (a DNN of ``dcn_parallel_mlp`` beside it, both
+    outputs concatenated into the top MLP, [1] for FuxiCTR's fc) or ``stacked_parallel`` (also a DNN of
+    ``dcn_stacked_mlp`` on the cross output). ``dropout`` and ``mlp_norm`` regularise those DNNs' every layer
+    (``recstack.models.interaction.DCNv2Interaction``).
 
     ``table_dims`` {table name: dim} gives some tables their own embedding dim (mixed-dimension embeddings):
     such a table is looked up at that dim and a learned per-table linear map (a dense parameter) projects its
@@ -34,15 +48,19 @@ class ModelConfig:
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
-    interaction: Literal["dot", "cat", "dcn"] = "dot"
+    interaction: Literal["dot", "cat", "dcn", "fm"] = "dot"
     interaction_itself: bool = False
     dcn_layers: int = 3
     dcn_low_rank: int = 512
+    dcn_structure: Literal["stacked", "parallel", "stacked_parallel"] = "stacked"
+    dcn_parallel_mlp: list[int] = field(default_factory=list)
+    dcn_stacked_mlp: list[int] = field(default_factory=list)
     max_table_size: int = 0
     qr_collisions: int = 0
     qr_threshold: int = 200
     qr_operation: Literal["mult", "add"] = "mult"
     dropout: float = 0.0
+    bottom_dropout: float = -1.0
     mlp_norm: Literal["none", "batch", "layer"] = "none"
     table_dims: dict[str, int] = field(default_factory=dict)
     embedding_init_bound: float = 0.0
@@ -52,10 +70,11 @@ class ModelConfig:
         MLP depend on the data (a data set without dense features has no bottom MLP): ``check_dense``."""
         if self.embedding_dim <= 0:
             raise ConfigError("model.embedding_dim: must be positive")
-        for name, low in (("dcn_layers", 0), ("dcn_low_rank", 1), ("max_table_size", 0)):
+        for name, low in (("dcn_layers", 0), ("dcn_low_rank", 0), ("max_table_size", 0)):
             if getattr(self, name) < low:
                 raise ConfigError(f"model.{name}: must be >= {low}, got {getattr(self, name)}")
-        for name, widths in (("bottom_mlp", self.bottom_mlp), ("top_mlp", self.top_mlp)):
+        for name, widths in (("bottom_mlp", self.bottom_mlp), ("top_mlp", self.top_mlp),
+                             ("dcn_parallel_mlp", self.dcn_parallel_mlp), ("dcn_stacked_mlp", self.dcn_stacked_mlp)):
             if any(w < 1 for w in widths):
                 raise ConfigError(f"model.{name}: every width must be >= 1, got {widths}")
         if self.qr_collisions < 0 or self.qr_collisions == 1 or self.qr_threshold < 0:
@@ -68,6 +87,14 @@ class ModelConfig:
                               f"1/sqrt(rows)), got {self.embedding_init_bound}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
+        if not (self.bottom_dropout == -1.0 or 0.0 <= self.bottom_dropout < 1.0):
+            raise ConfigError(f"model.bottom_dropout: must be in [0, 1), or -1 for model.dropout's rate, got "
+                              f"{self.bottom_dropout}")
+        self._check_dcn()
+        if self.interaction == "fm" and (self.table_dims or self.qr_collisions):
+            key = "table_dims" if self.table_dims else "qr_collisions"
+            raise ConfigError(f"model.{key}: not supported with model.interaction = 'fm' (DeepFM's tables carry "
+                              "the first-order weight as one more column of embedding_dim + 1); use one or the other")
         for name, dim in self.table_dims.items():
             if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
                 raise ConfigError(f"model.table_dims.{name}: must be a positive integer, got {dim!r}")
@@ -75,9 +102,28 @@ class ModelConfig:
             raise ConfigError("model.table_dims: per-table dims are not supported with quotient-remainder tables "
                               f"(model.qr_collisions={self.qr_collisions}); use one or the other")
 
+    def _check_dcn(self) -> None:
+        """The DNNs ``dcn_structure`` needs are given, and none it does not use."""
+        st = self.dcn_structure if self.interaction == "dcn" else None
+        used = {"dcn_parallel_mlp": st in ("parallel", "stacked_parallel"), "dcn_stacked_mlp": st == "stacked_parallel"}
+        for name, use in used.items():
+            given = bool(getattr(self, name))
+            if use and not given:
+                raise ConfigError(f"model.{name}: model.dcn_structure = {st!r} needs its hidden units, got []")
+            if given and not use:
+                why = f"model.dcn_structure = {st!r}" if st else f"model.interaction = {self.interaction!r}"
+                raise ConfigError(f"model.{name}: not used with {why} (with 'stacked' the top MLP is the DNN on the "
+                                  "cross network); leave it [] or change that")
+
+    @property
+    def table_width(self) -> int:
+        """The columns of a table of ``embedding_dim``: one more with ``interaction = "fm"`` (the first-order
+        weight)."""
+        return self.embedding_dim + (1 if self.interaction == "fm" else 0)
+
     def table_dim(self, name: str) -> int:
-        """The embedding dim of table ``name``: its ``table_dims`` entry, else ``embedding_dim``."""
-        return self.table_dims.get(name, self.embedding_dim)
+        """The embedding dim of table ``name``: its ``table_dims`` entry, else ``table_width``."""
+        return self.table_dims.get(name, self.table_width)
 
     def check_table_names(self, names: list[str]) -> None:
         """Every ``table_dims`` key against the data's table names, checked when the model is built."""

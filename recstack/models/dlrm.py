@@ -16,7 +16,7 @@ from recstack.embedding.collection import EmbeddingCollection
 from recstack.embedding.qr import QRSplit
 from recstack.models.config import ModelConfig
 from recstack.models.fused_mlp import MLP, Norm
-from recstack.models.interaction import CatInteraction, DCNv2Interaction, DotInteraction
+from recstack.models.interaction import CatInteraction, DCNv2Interaction, DeepFMTop, DotInteraction, FMInteraction
 from recstack.models.projection import TableProjection
 
 
@@ -47,19 +47,28 @@ class DLRM(nn.Module):
         self.num_dense = num_dense
         # No dense features -> no bottom MLP (schema-driven data sets may have only categorical columns).
         drop, norm = cfg.dropout, cfg.mlp_norm  # regularisation of both MLPs' hidden layers
-        self.bottom = mlp([num_dense, *cfg.bottom_mlp], True, drop, norm) if num_dense else None
+        bottom_drop = drop if cfg.bottom_dropout < 0 else cfg.bottom_dropout
+        self.bottom = mlp([num_dense, *cfg.bottom_mlp], True, bottom_drop, norm) if num_dense else None
         dense_dim = cfg.bottom_mlp[-1] if num_dense else 0
         self.interaction: nn.Module
         if cfg.interaction == "dot":
             self.interaction = DotInteraction(f, d, bool(num_dense), cfg.interaction_itself)
         elif cfg.interaction == "cat":
             self.interaction = CatInteraction(f, d, dense_dim)
+        elif cfg.interaction == "fm":
+            self.interaction = FMInteraction(f, d, dense_dim)
         else:
-            self.interaction = DCNv2Interaction(f, d, dense_dim, cfg.dcn_layers, cfg.dcn_low_rank)
-        self.top = mlp([self.interaction.out_dim, *cfg.top_mlp], False, drop, norm)
-        # Drawn after the MLPs, so that a model without it draws exactly as before.
+            self.interaction = DCNv2Interaction(f, d, dense_dim, cfg.dcn_layers, cfg.dcn_low_rank, cfg.dcn_structure,
+                                                cfg.dcn_parallel_mlp, cfg.dcn_stacked_mlp, drop, norm)
+        if cfg.interaction == "fm":  # the DNN on the features, the FM's logit added to its own
+            self.top: nn.Sequential = DeepFMTop([self.interaction.out_dim - 1, *cfg.top_mlp], False, drop, norm)
+        else:
+            self.top = mlp([self.interaction.out_dim, *cfg.top_mlp], False, drop, norm)
+        # Drawn after the MLPs, so that a model without it draws exactly as before. (DeepFM's tables are D + 1
+        # wide by design: their last column is the FM's first-order weight.)
+        width = cfg.table_width
         self.projection = (TableProjection(embeddings.feature_dims, embeddings.feature_table, len(embeddings.tables), d)
-                           if any(x != d for x in embeddings.feature_dims) else None)
+                           if any(x != width for x in embeddings.feature_dims) else None)
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Parameters trained by the dense optimizer (and all-reduced by DDP); embeddings update themselves."""

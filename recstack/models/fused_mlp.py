@@ -78,7 +78,8 @@ class _FusedMLP(torch.autograd.Function):
 Norm = Literal["none", "batch", "layer"]
 
 
-def mlp_layers(sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none") -> list[nn.Module]:
+def mlp_layers(sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none",
+               hidden_last: bool = False) -> list[nn.Module]:
     """Linear layers sizes[0] -> ... -> sizes[-1], ReLU between (and after the last with ``last_activation``),
     initialised as in the DLRM reference from torch's global RNG, layer by layer:
     W ~ N(0, sqrt(2 / (fan_in + fan_out))), b ~ N(0, sqrt(1 / fan_out)).
@@ -86,9 +87,11 @@ def mlp_layers(sizes: list[int], last_activation: bool, dropout: float = 0.0, no
     Every hidden layer (all but the last) is Linear -> [BatchNorm1d | LayerNorm] -> ReLU -> [Dropout(dropout)]
     with ``norm`` / ``dropout`` > 0 (as FuxiCTR's MLP blocks); the last layer never gets them (the bottom MLP's
     output is an interaction vector, the top MLP's a logit). The normalisations draw nothing (weight 1, bias 0),
-    so the Linear layers get the same values with or without them."""
+    so the Linear layers get the same values with or without them. ``hidden_last``: the last layer is a hidden
+    one too (norm, ReLU, dropout): a block whose output feeds further layers (FuxiCTR's MLP block without an
+    output layer, as DCNv2's DNNs)."""
     layers: list[nn.Module] = []
-    last = len(sizes) - 2
+    last = len(sizes) - 1 if hidden_last else len(sizes) - 2
     for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         lin = nn.Linear(m, n)
         with torch.no_grad():
@@ -97,7 +100,7 @@ def mlp_layers(sizes: list[int], last_activation: bool, dropout: float = 0.0, no
         layers.append(lin)
         if i < last and norm != "none":
             layers.append(nn.BatchNorm1d(n) if norm == "batch" else nn.LayerNorm(n))
-        if i < last or last_activation:
+        if i < last or last_activation or hidden_last:
             layers.append(nn.ReLU())
         if i < last and dropout > 0.0:
             layers.append(nn.Dropout(dropout))
@@ -107,8 +110,9 @@ def mlp_layers(sizes: list[int], last_activation: bool, dropout: float = 0.0, no
 class MLP(nn.Sequential):
     """The layers of ``mlp_layers``; input [B, sizes[0]] -> [B, sizes[-1]]."""
 
-    def __init__(self, sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none") -> None:
-        layers = mlp_layers(sizes, last_activation, dropout, norm)
+    def __init__(self, sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none",
+                 hidden_last: bool = False) -> None:
+        layers = mlp_layers(sizes, last_activation, dropout, norm, hidden_last)
         super().__init__(*layers)
         after = [*layers[1:], None]  # whether a ReLU follows each Linear (read by the fused step: plain MLPs only)
         self._relu = tuple(isinstance(after[i], nn.ReLU) for i, m in enumerate(layers) if isinstance(m, nn.Linear))

@@ -11,22 +11,27 @@ from recstack.errors import ConfigError
 
 @dataclass
 class OptimConfig:
-    """Dense part: ``dense`` in sgd | adagrad | adam. Embeddings: ``sparse`` in sgd | rowwise_adagrad,
-    applied inside backward (no dense table gradient is built).
+    """Dense part: ``dense`` in sgd | adagrad | adam. Embeddings: ``sparse`` in sgd | rowwise_adagrad | adam
+    (lazy Adam: moments per element, bias correction by each row's own step count; ``sparse_betas``, ``eps``),
+    applied inside backward (no dense table gradient is built; ``recstack.embedding.sparse_optim``).
 
     L2 regularisation, off (0) by default: ``dense_weight_decay`` is the dense optimizer's ``weight_decay``
     (grad += wd * p on every dense parameter, torch's coupled L2 for all three optimizers);
-    ``sparse_weight_decay`` decays only the embedding rows a step touches, once per distinct row, inside the
-    fused update (``recstack.embedding.sparse_optim``)."""
+    ``sparse_weight_decay`` with ``sparse_weight_decay_mode = "touched"`` decays only the embedding rows a step
+    touches, once per distinct row, inside the fused update; ``"all_rows"`` is FuxiCTR's
+    ``embedding_regularizer`` (same value): (wd / 2) ||W||^2 over the whole tables in every step's loss, so every
+    row takes every step (a dense pass over the tables per step; docs/training.md)."""
 
     dense: Literal["sgd", "adagrad", "adam"] = "sgd"
     dense_lr: float = 0.1
-    sparse: Literal["sgd", "rowwise_adagrad"] = "sgd"
+    sparse: Literal["sgd", "rowwise_adagrad", "adam"] = "sgd"
     sparse_lr: float = 0.1
     eps: float = 1e-8
     adagrad_init: float = 0.0
     dense_weight_decay: float = 0.0
     sparse_weight_decay: float = 0.0
+    sparse_weight_decay_mode: Literal["touched", "all_rows"] = "touched"
+    sparse_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam's (beta1, beta2)
     # Both learning rates x a schedule (recstack.training.lr_schedule): linear warm-up over lr_warmup_steps (the first
     # update at 1/lr_warmup_steps), then from lr_decay_start_step a quadratic decay to 0 over lr_decay_steps (0 =
     # none), as the DLRM reference.
@@ -47,6 +52,9 @@ class OptimConfig:
                 raise ConfigError(f"optim.{name}: must be finite and >= 0, got {getattr(self, name)}")
         if not 0.0 < self.eps < math.inf:
             raise ConfigError(f"optim.eps: must be finite and > 0, got {self.eps}")
+        b = self.sparse_betas
+        if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
+            raise ConfigError(f"optim.sparse_betas: must be two numbers in [0, 1) (Adam's beta1, beta2), got {b}")
         if not 0.0 < self.plateau_factor < 1.0:
             raise ConfigError(f"optim.plateau_factor: must be in (0, 1), got {self.plateau_factor}")
         if self.plateau_patience < 0:

@@ -93,7 +93,7 @@ def _plans(world: int) -> dict[str, tuple[list, int | None]]:
 
 
 def _worker(rank: int, world: int, init_file: str, data: str, out: str, sparse_opt: str, names: list[str],
-            extra: tuple[str, ...] = ()) -> None:
+            extra: tuple[str, ...] = (), steps: int = STEPS) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -101,7 +101,8 @@ def _worker(rank: int, world: int, init_file: str, data: str, out: str, sparse_o
         plans = _plans(world)
         for name in names:
             placements, rpn = plans[name.removesuffix("+agg")]
-            results[name] = _run(Path(data), sparse_opt, rank, world, placements, rpn, name.endswith("+agg"), extra)
+            results[name] = _run(Path(data), sparse_opt, rank, world, placements, rpn, name.endswith("+agg"), extra,
+                                 steps)
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -109,27 +110,35 @@ def _worker(rank: int, world: int, init_file: str, data: str, out: str, sparse_o
 
 
 def _spawn(tmp_path: Path, data: Path, world: int, sparse_opt: str, names: list[str],
-           extra: tuple[str, ...] = ()) -> dict:
+           extra: tuple[str, ...] = (), steps: int = STEPS) -> dict:
     out = tmp_path / f"res_{world}_{sparse_opt}.pt"
     init = tmp_path / f"init_{world}_{sparse_opt}"
-    mp.spawn(_worker, args=(world, str(init), str(data), str(out), sparse_opt, names, extra), nprocs=world,
+    mp.spawn(_worker, args=(world, str(init), str(data), str(out), sparse_opt, names, extra, steps), nprocs=world,
              join=True)
     return torch.load(out, weights_only=False)
+
+
+def assert_match_single_process(results: dict, names: list[str], ref: tuple) -> None:
+    """The runs ``names`` of ``results`` (``_spawn``) against the single-process run ``ref`` (``_run``): the same
+    losses, AUC and tables up to float rounding; and training moved at all."""
+    ref_losses, ref_auc, ref_tables, _ = ref
+    for name in names:
+        losses, auc, tables, _ = results[name]
+        assert losses == pytest.approx(ref_losses, abs=1e-5), name
+        assert auc == pytest.approx(ref_auc, abs=1e-5), name
+        for t, r in zip(tables, ref_tables, strict=True):
+            torch.testing.assert_close(t, r, atol=1e-5, rtol=1e-4, msg=f"{name}: tables differ")
+    assert ref_losses[-1] < ref_losses[0]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_sharding_matches_single_process(tiny_dataset: Path, tmp_path: Path, world: int) -> None:
     torch.set_num_threads(1)
     names = [*_plans(world), "row_wise+agg", "table_row_wise+agg", "mixed+agg"]
-    ref_losses, ref_auc, ref_tables, _ = _run(tiny_dataset, "sgd", 0, 1)
+    ref = _run(tiny_dataset, "sgd", 0, 1)
     results = _spawn(tmp_path, tiny_dataset, world, "sgd", names)
     assert sorted(results) == sorted(names)
-    for name, (losses, auc, tables, _) in results.items():
-        assert losses == pytest.approx(ref_losses, abs=1e-5), name
-        assert auc == pytest.approx(ref_auc, abs=1e-5), name
-        for t, r in zip(tables, ref_tables, strict=True):
-            torch.testing.assert_close(t, r, atol=1e-5, rtol=1e-4, msg=f"{name}: tables differ")
-    assert ref_losses[-1] < ref_losses[0]  # training moved at all
+    assert_match_single_process(results, names, ref)
     for name in ("row_wise", "table_row_wise", "mixed"):  # one-hot features: far fewer gradient rows sent
         assert results[f"{name}+agg"][3] < 0.8 * results[name][3], name
 
@@ -142,16 +151,10 @@ def test_mixed_table_dims_sharded_match_single_process(tiny_dataset: Path, tmp_p
     names = ["table_wise", "row_wise", "table_row_wise"]
     if sparse_opt == "sgd":  # column-wise keeps per-shard accumulators (documented): compared with SGD only
         names += ["column_wise", "mixed"]
-    ref_losses, ref_auc, ref_tables, _ = _run(tiny_dataset, sparse_opt, 0, 1, extra=extra)
-    assert [t.shape[1] for t in ref_tables] == [4, DIM, 2, DIM]
+    ref = _run(tiny_dataset, sparse_opt, 0, 1, extra=extra)
+    assert [t.shape[1] for t in ref[2]] == [4, DIM, 2, DIM]
     results = _spawn(tmp_path, tiny_dataset, 2, sparse_opt, names, extra)
-    for name in names:
-        losses, auc, tables, _ = results[name]
-        assert losses == pytest.approx(ref_losses, abs=1e-5), name
-        assert auc == pytest.approx(ref_auc, abs=1e-5), name
-        for t, r in zip(tables, ref_tables, strict=True):
-            torch.testing.assert_close(t, r, atol=1e-5, rtol=1e-4, msg=f"{name}: tables differ")
-    assert ref_losses[-1] < ref_losses[0]
+    assert_match_single_process(results, names, ref)
 
 
 def test_rowwise_adagrad_sharded_matches(tiny_dataset: Path, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from conftest import cli_train, kill_after_checkpoints, run_cli, torchrun, train
 
 from recstack.data.prepared_dataset import PreparedDataset
 from recstack.embedding.collection import TableConfig
+from recstack.embedding.sparse_optim import SparseOptimizer, SparseOptimizerConfig
 from recstack.training.checkpoint.sharded import read_full_tables
 
 COMMON = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.threads=1",
@@ -33,11 +34,13 @@ def _torchrun(n: int, data: Path, out: Path, extra: list[str], *flags: str) -> d
     return cli_train(out, data, [*COMMON, *extra], *flags, launcher=torchrun(n), timeout=400)
 
 
-def _tables(run: Path, data: Path, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _tables(run: Path, data: Path, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     ds = PreparedDataset(data)
     tables = [TableConfig(f.name, n, 8, (i,)) for i, (f, n) in enumerate(zip(ds.sparse_features, ds.table_sizes,
                                                                           strict=True))]
-    return read_full_tables(run / "checkpoints" / f"step_{step:09d}", tables, needs_accumulator=True)
+    weight, state = read_full_tables(run / "checkpoints" / f"step_{step:09d}", tables,
+                                     SparseOptimizer(SparseOptimizerConfig("rowwise_adagrad")))
+    return weight, state["accumulator"]
 
 
 def straight_run(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:

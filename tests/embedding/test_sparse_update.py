@@ -47,7 +47,7 @@ def test_sgd_step_with_repeated_rows() -> None:
     w0 = weight.clone()
     rows = torch.tensor([3, 7, 3, 3, 49, 7, 0])
     grads = torch.randn(7, 4, generator=gen)
-    SparseOptimizer(SparseOptimizerConfig("sgd", lr=0.5)).step(weight, None, rows, grads)
+    SparseOptimizer(SparseOptimizerConfig("sgd", lr=0.5)).step(weight, {}, rows, grads)
     expected = w0.clone()
     for r, g in _sequential_sums(rows, grads).items():
         expected[r] -= 0.5 * g
@@ -62,7 +62,8 @@ def test_rowwise_adagrad_uses_the_summed_gradient() -> None:
     acc = torch.zeros(4)
     rows = torch.tensor([2, 2])
     grads = torch.tensor([[1.0, 3.0], [1.0, 1.0]])  # summed: [2, 4], mean square 10
-    SparseOptimizer(SparseOptimizerConfig("rowwise_adagrad", lr=1.0, eps=0.0)).step(weight, acc, rows, grads)
+    opt = SparseOptimizer(SparseOptimizerConfig("rowwise_adagrad", lr=1.0, eps=0.0))
+    opt.step(weight, {"accumulator": acc}, rows, grads)
     torch.testing.assert_close(acc, torch.tensor([0.0, 0.0, 10.0, 0.0]))
     torch.testing.assert_close(weight[2], -torch.tensor([2.0, 4.0]) / 10.0**0.5)
     assert torch.equal(weight[[0, 1, 3]], torch.zeros(3, 2))

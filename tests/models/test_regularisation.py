@@ -147,7 +147,8 @@ def test_sparse_weight_decay_moves_only_touched_rows_once_each(kind: str) -> Non
     before, acc0 = weight.clone(), acc.clone() if acc is not None else None
     rows = torch.tensor([2, 7, 2, 2, 5])  # row 2 three times in the batch
     grads = torch.randn(5, 3, generator=g)
-    SparseOptimizer(SparseOptimizerConfig(kind, lr, eps, 0.1, weight_decay=wd)).step(weight, acc, rows, grads)
+    state = {"accumulator": acc} if acc is not None else {}
+    SparseOptimizer(SparseOptimizerConfig(kind, lr, eps, 0.1, weight_decay=wd)).step(weight, state, rows, grads)
     for r in range(10):
         g_r = grads[rows == r].sum(0)
         if r not in (2, 5, 7):
@@ -166,7 +167,7 @@ def test_sparse_weight_decay_moves_only_touched_rows_once_each(kind: str) -> Non
 def test_sparse_weight_decay_with_zero_gradients_shrinks_touched_rows() -> None:
     weight = torch.ones(4, 2)
     rows = torch.tensor([1, 1, 3])
-    SparseOptimizer(SparseOptimizerConfig("sgd", 0.1, weight_decay=0.5)).step(weight, None, rows, torch.zeros(3, 2))
+    SparseOptimizer(SparseOptimizerConfig("sgd", 0.1, weight_decay=0.5)).step(weight, {}, rows, torch.zeros(3, 2))
     assert torch.equal(weight, torch.tensor([[1.0, 1.0], [0.95, 0.95], [1.0, 1.0], [0.95, 0.95]]))
 
 

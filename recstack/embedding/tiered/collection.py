@@ -49,6 +49,7 @@ from recstack.embedding.tiered.store import (
     init_chunks_of,
     record_width,
 )
+from recstack.errors import ConfigError
 
 TIERS = ("device", "host-cached", "ssd-cached")
 
@@ -98,6 +99,20 @@ class _CacheLog:
         return out
 
 
+def refuse_tiers(optimizer: SparseOptimizerConfig) -> None:
+    """Cached tiers keep SGD's or row-wise Adagrad's state with each row (a record of D + 1 values) and update
+    the rows a step touches; Adam's 2 D + 1 values per row and a pass over every row each step are not there
+    yet: a ConfigError naming the keys."""
+    if optimizer.kind == "adam":
+        raise ConfigError('optim.sparse = "adam" cannot be combined with memory tiers ([memory] device / host '
+                          'budgets, or a plan that places shards in cached tiers): use "rowwise_adagrad" or "sgd" '
+                          "there, or hold the tables in memory (no [memory] budgets)")
+    if optimizer.weight_decay_mode == "all_rows":
+        raise ConfigError('optim.sparse_weight_decay_mode = "all_rows" cannot be combined with memory tiers '
+                          "([memory] device / host budgets, or a plan that places shards in cached tiers): it "
+                          'steps every row each step; use "touched" there, or hold the tables in memory')
+
+
 class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
     """Pooled lookups [B, F, D] over tables placed on device, host-cached or ssd-cached tiers."""
 
@@ -123,6 +138,7 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
         super().__init__(tables, optimizer)
         if len(placements) != len(tables):
             raise ValueError(f"{len(placements)} placements for {len(tables)} tables")
+        refuse_tiers(optimizer)
         self.placements = list(placements)
         self.device = torch.device(device)
         self.prefetch_enabled = prefetch
@@ -229,7 +245,8 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
 
     def apply_gradients(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """Called from backward: rows [N] of the compute buffer, grads [N, D] -> one optimizer update."""
-        self.optimizer.step(self.weight, self.accumulator, rows, grads)
+        state = {"accumulator": self.accumulator} if self.accumulator is not None else {}
+        self.optimizer.step(self.weight, state, rows, grads)
         self._inflight = max(0, self._inflight - 1)
 
     def _cache_keys(self, ids: torch.Tensor, per_feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

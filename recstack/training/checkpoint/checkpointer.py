@@ -204,10 +204,10 @@ class Checkpointer:
         if not (path / SHARDED_STATE_FILE).is_file():
             return
         for prefix, tables in embeddings.weight_groups():  # one weight per group (per dim with model.table_dims)
-            weight, acc = read_full_tables(path, tables, embeddings.optimizer.needs_accumulator)
+            weight, parts = read_full_tables(path, tables, embeddings.optimizer)
             state["model"][f"embeddings.{prefix}weight"] = weight.to(device)
-            if acc is not None:
-                state["model"][f"embeddings.{prefix}accumulator"] = acc.to(device)
+            for part, value in parts.items():
+                state["model"][f"embeddings.{prefix}{part}"] = value.to(device)
 
 
 def any_checkpoint(ckpt_dir: Path) -> bool:

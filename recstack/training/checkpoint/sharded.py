@@ -2,8 +2,9 @@
 
 A checkpoint is a directory ``checkpoints/step_<step>/``:
   - DCP files holding every embedding shard under a key that names its table and rectangle,
-    ``emb/<table>/<weight|accumulator>/r<row0>-<row1>/c<col0>-<col1>`` (replicated tables are one full-table
-    rectangle that every rank offers; DCP writes it once);
+    ``emb/<table>/<part>/r<row0>-<row1>/c<col0>-<col1>``, the part ``weight`` or a part of the sparse
+    optimizer's state (``accumulator``; Adam's ``exp_avg``, ``exp_avg_sq``, ``row_step``: ``StatePart``)
+    (replicated tables are one full-table rectangle that every rank offers; DCP writes it once);
   - ``trainer.pt`` (rank 0): the dense model, dense optimizer, data position, RNG and config, which DDP keeps
     identical on every rank;
   - ``rank_<rank>.pt`` (every rank): state that differs between ranks, such as the error-feedback residuals
@@ -37,6 +38,7 @@ from recstack.distributed.agreement import gather_failures
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.distributed.sharding import Shard
 from recstack.embedding import TableConfig
+from recstack.embedding.sparse_optim import SparseOptimizer
 from recstack.errors import CheckpointError, DiskError
 from recstack.io import disk_error, fsync_dir, open_synced, os_error_in, writing
 from recstack.training.checkpoint.integrity import (
@@ -52,7 +54,7 @@ from recstack.training.checkpoint.integrity import (
 SHARDED_STATE_FILE = "trainer.pt"  # the replicated state beside the DCP files
 METADATA_FILE = ".metadata"  # DCP's index of the shard files
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
-_KEY = re.compile(r"^emb/(?P<table>.+)/(?P<part>weight|accumulator)/r(?P<r0>\d+)-(?P<r1>\d+)/c(?P<c0>\d+)-(?P<c1>\d+)$")
+_KEY = re.compile(r"^emb/(?P<table>.+)/(?P<part>[a-z_]+)/r(?P<r0>\d+)-(?P<r1>\d+)/c(?P<c0>\d+)-(?P<c1>\d+)$")
 
 
 def _key(table: str, part: str, r0: int, r1: int, c0: int, c1: int) -> str:
@@ -61,10 +63,9 @@ def _key(table: str, part: str, r0: int, r1: int, c0: int, c1: int) -> str:
 
 def embedding_state(coll: ShardedEmbeddingCollection) -> dict[str, torch.Tensor]:
     state = {}
-    for name, s, w, acc in coll.local_shards():
-        state[_key(name, "weight", s.row0, s.row1, s.col0, s.col1)] = w
-        if acc is not None:
-            state[_key(name, "accumulator", s.row0, s.row1, s.col0, s.col1)] = acc
+    for name, s, w, parts in coll.local_shards():
+        for part, tensor in {"weight": w, **parts}.items():
+            state[_key(name, part, s.row0, s.row1, s.col0, s.col1)] = tensor
     return state
 
 
@@ -86,7 +87,7 @@ def _saved_pieces(path: Path) -> tuple[Any, dict[tuple[str, str], list[tuple[str
 def check_coverage(tables: list[TableConfig], parts: list[str], path: Path,
                    pieces: dict[tuple[str, str], list[tuple[str, int, int, int, int]]]) -> None:
     """Raise :class:`CheckpointError` unless, for every table of the model and every part (``weight``, and
-    ``accumulator`` when the optimizer keeps one), the saved rectangles tile exactly [0, rows) x [0, dim): none
+    each part of the optimizer's state), the saved rectangles tile exactly [0, rows) x [0, dim): none
     outside it, none overlapping, none missing. Depends only on the checkpoint and the model, so every rank
     decides alike."""
     for t in tables:
@@ -94,6 +95,10 @@ def check_coverage(tables: list[TableConfig], parts: list[str], path: Path,
         for part in parts:
             found = pieces.get((t.name, part), [])
             if not found:
+                if any(n == t.name for n, _ in pieces):  # the table is there, saved with another optimizer
+                    held = sorted(p for n, p in pieces if n == t.name)
+                    raise CheckpointError(f"{path}: no saved {part} for table {t.name!r} (it has {held}: was it "
+                                          "trained with another optim.sparse?)")
                 raise CheckpointError(f"{path}: no saved {part} for table {t.name!r} (the checkpoint has "
                                       f"tables {sorted({n for n, _ in pieces})})")
             saved_rows = max(p[2] for p in found)
@@ -116,8 +121,8 @@ def check_coverage(tables: list[TableConfig], parts: list[str], path: Path,
                                       f"{rows} x {dim} values")
 
 
-def _parts(needs_accumulator: bool) -> list[str]:
-    return ["weight", "accumulator"] if needs_accumulator else ["weight"]
+def _parts(optimizer: SparseOptimizer) -> list[str]:
+    return ["weight", *(p.name for p in optimizer.state_parts)]
 
 
 def agree(error: BaseException | None) -> None:
@@ -141,16 +146,14 @@ def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: Ba
     raises :class:`CheckpointError` and none reads."""
     plan: list[tuple[torch.Tensor, Shard, str, tuple[str, int, int, int, int]]] = []
     request: dict[str, torch.Tensor] = {}
-    shards: list[tuple[str, Shard, torch.Tensor, torch.Tensor | None]] = []
+    shards: list[tuple[str, Shard, torch.Tensor, dict[str, torch.Tensor]]] = []
     if error is None:
         try:
             saved, pieces = _saved_pieces(path)
-            check_coverage(coll.tables, _parts(coll.optimizer.needs_accumulator), path, pieces)
+            check_coverage(coll.tables, _parts(coll.optimizer), path, pieces)
             shards = coll.local_shards()  # views of in-memory shards, copies of cached ones
-            for name, s, w, acc in shards:
-                for part, target in (("weight", w), ("accumulator", acc)):
-                    if target is None:
-                        continue
+            for name, s, w, state in shards:
+                for part, target in {"weight": w, **state}.items():
                     found = [p for p in pieces.get((name, part), []) if p[1] < s.row1 and p[2] > s.row0
                              and p[3] < s.col1 and p[4] > s.col0]
                     for p in found:
@@ -167,17 +170,19 @@ def load_embedding_state(coll: ShardedEmbeddingCollection, path: Path, error: Ba
 
 def _copy_overlaps(plan: list[tuple[torch.Tensor, Shard, str, tuple[str, int, int, int, int]]],
                    request: dict[str, torch.Tensor]) -> None:
-    """Copy each saved piece's overlap with a target shard into the target. Row-wise Adagrad state is the
-    width-weighted mean of the overlapping column blocks' accumulators (exact unless a column-wise layout is
-    read into a different column split)."""
+    """Copy each saved piece's overlap with a target shard into the target: the weight and per-column state
+    ([rows, cols] targets) column by column; per-row state ([rows] targets: Adagrad's accumulator, Adam's step
+    count) is the width-weighted mean of the overlapping column blocks' values (exact unless a column-wise
+    layout of row-wise Adagrad is read into a different column split; every column block of a row holds the same
+    step count)."""
     acc_parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (target, summed widths per row)
     with torch.no_grad():
-        for target, s, part, (key, r0, r1, c0, c1) in plan:
+        for target, s, _, (key, r0, r1, c0, c1) in plan:
             lo, hi = max(r0, s.row0), min(r1, s.row1)
             src = request[key][lo - r0 : hi - r0].to(target.device)
             dst = target[lo - s.row0 : hi - s.row0]
             a, b = max(c0, s.col0), min(c1, s.col1)
-            if part == "weight":
+            if target.dim() == 2:
                 dst[:, a - s.col0 : b - s.col0] = src[:, a - c0 : b - c0]
                 continue
             if id(target) not in acc_parts:
@@ -365,26 +370,24 @@ def read_trainer_state(path: Path, map_location: str | torch.device) -> dict[str
     return state
 
 
-def read_full_tables(path: Path, tables: list[TableConfig], needs_accumulator: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def read_full_tables(path: Path, tables: list[TableConfig], optimizer: SparseOptimizer
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One process, no process group: every table of a sharded checkpoint, whatever layout wrote it, for
-    evaluation and scoring -> (weight [sum of rows, D], row-wise accumulator [sum of rows] or None), the tables one
-    after another in ``tables``' order, as a single-process collection holds them. Raises
-    :class:`CheckpointError` when the saved pieces do not tile every table."""
+    evaluation and scoring -> (weight [sum of rows, D], the optimizer's state {part: [sum of rows] or [sum of
+    rows, D]}), the tables one after another in ``tables``' order, as a single-process collection holds them.
+    Raises :class:`CheckpointError` when the saved pieces do not tile every table."""
     saved, pieces = _saved_pieces(path)
-    parts = _parts(needs_accumulator)
-    check_coverage(tables, parts, path, pieces)
+    check_coverage(tables, _parts(optimizer), path, pieces)
     rows = [t.num_embeddings for t in tables]
-    weight = torch.empty(sum(rows), tables[0].embedding_dim if tables else 0)
-    acc = torch.empty(sum(rows)) if needs_accumulator else None
+    dim = tables[0].embedding_dim if tables else 0
+    weight = torch.empty(sum(rows), dim)
+    state = {p.name: torch.empty((sum(rows), dim) if p.per_column else (sum(rows),)) for p in optimizer.state_parts}
     plan: list[tuple[torch.Tensor, Shard, str, tuple[str, int, int, int, int]]] = []
     request: dict[str, torch.Tensor] = {}
     r0 = 0
     for i, t in enumerate(tables):
         whole = Shard(i, 0, 0, 0, t.num_embeddings, 0, t.embedding_dim, "identity")
-        for part, full in (("weight", weight), ("accumulator", acc)):
-            if full is None:
-                continue
+        for part, full in {"weight": weight, **state}.items():
             target = full[r0 : r0 + t.num_embeddings]  # one view per table: _copy_overlaps keys on it
             for p in pieces[(t.name, part)]:
                 request.setdefault(p[0], torch.empty(tuple(saved[p[0]].size), dtype=target.dtype))
@@ -397,4 +400,4 @@ def read_full_tables(path: Path, tables: list[TableConfig], needs_accumulator: b
     except (Exception, dcp.CheckpointException) as e:  # DCP's own error is a BaseException
         raise CheckpointError(f"{path}: its tables could not be read ({type(e).__name__}: {e})") from e
     _copy_overlaps(plan, request)
-    return weight, acc
+    return weight, state
