@@ -171,8 +171,7 @@ def test_ranks_with_different_world_layouts_stop_at_start(tiny_dataset: Path, tm
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 
-def test_ranks_with_other_output_dirs_or_overwrite_stop_before_anything_is_removed(tiny_dataset: Path,
-                                                                                  tmp_path: Path) -> None:
+def test_other_output_dirs_or_overwrite_stop_before_removing(tiny_dataset: Path, tmp_path: Path) -> None:
     """``--output-dir run`` from two working directories (the same text, two directories: each rank would hold
     part of every sharded checkpoint), and ``--overwrite`` on rank 0 alone over an earlier run: every rank stops
     at start-up naming the difference, and the earlier run is still whole (rank 0 used to remove it first)."""

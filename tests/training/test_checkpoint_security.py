@@ -133,8 +133,7 @@ def class_patching_pickle() -> bytes:
             + b"X\x04\x00\x00\x00true\x85R.")
 
 
-def test_a_metadata_file_that_patches_a_class_is_refused_and_the_fallback_works(
-        sharded_run: Path, tmp_path: Path) -> None:
+def test_metadata_patching_a_class_is_refused(sharded_run: Path, tmp_path: Path) -> None:
     """The crafted ``.metadata`` in the newest checkpoint: ``recstack eval`` of it refuses it naming the file
     (nothing set on the class: the error is the refusal, not a KeyError of a patched path), and ``recstack eval``
     of the run falls back to the older intact checkpoint and evaluates it."""
