@@ -179,11 +179,11 @@ class Checkpointer:
             ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
             best = None if last else read_best(ckpt_dir)
             if best is not None:
-                state = Checkpointer.read(ckpt_dir / best["checkpoint"], device)
-                if state.get("step") != best["step"]:
+                kept = Checkpointer.read(ckpt_dir / best["checkpoint"], device)
+                if kept.get("step") != best["step"]:
                     raise CheckpointError(f"{ckpt_dir / BEST_FILE}: records step {best['step']}, but the "
-                                          f"checkpoint it names, {state['path']}, holds step {state.get('step')}")
-                return state
+                                          f"checkpoint it names, {kept['path']}, holds step {kept.get('step')}")
+                return kept
             state = latest_checkpoint(ckpt_dir, device)  # the newest valid one of one process, else of torchrun
             if state is not None:
                 return state

@@ -23,7 +23,7 @@ import sys
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -59,13 +59,13 @@ _BUILT_FROM_FIELDS = (dcp_md.Metadata, dcp_md.StorageMeta, dcp_md.TensorStorageM
 _PLAIN = (str, int, float, bool, type(None), bytes, torch.dtype, torch.layout, dcp_md._MEM_FORMAT_ENCODING)
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+class _MetadataUnpickler(pickle._Unpickler):
     """Python's own unpickler (its opcodes are methods, so BUILD can be replaced; the C one runs BUILD itself)
     that constructs only the listed globals and builds only instances of the DCP classes above. A crafted BUILD
     would otherwise set any attribute of any object it can reach, classes included: one that replaced
     ``pathlib.PosixPath.__fspath__`` changed every path of the process before the file was refused."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    stack: list[Any]  # the unpickler's own, set by ``load``
 
     def find_class(self, module: str, name: str) -> Any:
         found = _METADATA_GLOBALS.get((module, name))
@@ -92,7 +92,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         what = f"the class {inst.__name__}" if isinstance(inst, type) else f"a {kind.__name__}"
         raise pickle.UnpicklingError(f"it sets attributes of {what}, which DCP checkpoint metadata never does")
 
-    dispatch[pickle.BUILD[0]] = load_build
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: cast(Any, load_build)}
 
 
 def read_dcp_metadata(file: Path) -> dcp_md.Metadata:

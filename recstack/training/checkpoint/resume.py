@@ -82,7 +82,7 @@ def rebatched_position(state: dict[str, Any], loader: BatchLoader, shuffle: bool
     where = state.get("path", "the checkpoint")
     if saved.row:
         pos, train = state["position"], state.get("config", {}).get("train", {})
-        order = [("train.shuffle", was_mode, mode)]  # older checkpoints: the options from their config
+        order: list[tuple[str, Any, Any]] = [("train.shuffle", was_mode, mode)]  # older ones: from their config
         if mode != "none":
             order.append(("train.seed", pos.get("seed", train.get("seed")), loader.seed))
         if mode == "window":
