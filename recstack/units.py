@@ -12,9 +12,9 @@ Two spellings are in use, each where its readers expect it:
 
 No torch here: the planner and the config use it without loading it.
 
-Also the one bound on thread counts (``MAX_THREADS``): torch's OpenMP pool, asked for 100,000 threads, dies by
-SIGSEGV when it starts them, so every option that sets one (``train.threads``, ``experiment.threads``, ``serve
---threads``) is checked against it.
+Also the one bound on thread counts (``MAX_THREADS``): torch's OpenMP pool, asked for 100,000
+threads, dies by SIGSEGV when it starts them, so every option that sets one (``train.threads``,
+``experiment.threads``, ``serve --threads``) is checked against it.
 """
 
 from __future__ import annotations

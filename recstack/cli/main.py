@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(command: str, message: str, code: int, peer: bool = False) -> int:
-    """Print the one line; -> ``code``. A rank that fails while its job is still joined (a disk fault in the
-    middle of training, its peers in a collective with it) leaves without teardown too, as after a peer's
-    failure: its process group still holds that collective."""
+    """Print the one line; -> ``code``. A rank that fails while its job is still joined (a disk
+    fault in the middle of training, its peers in a collective with it) leaves without teardown too,
+    as after a peer's failure: its process group still holds that collective."""
     print(f"recstack {command}: error: {message}", file=sys.stderr)
     if peer or _in_job():
         _leave_without_teardown(code)

@@ -77,20 +77,23 @@ class Task:
     seed: int = 0
 
 
-# What a task's result.json must hold to be reused: an FM's result is an object, a VM's has these keys.
+# What a task's result.json must hold to be reused: an FM's result is an object, a VM's has these
+# keys.
 _RESULT_KEYS = {"fm": (), "vm": ("job", "records", "summary")}
 
 
 def read_result(task: Task) -> dict[str, Any]:
-    """A finished task's ``result.json`` -> its result; a ValueError naming the file when it is damaged (cut
-    short, not JSON, not the result of that kind of task)."""
+    """A finished task's ``result.json`` -> its result; a ValueError naming the file when it is
+    damaged (cut short, not JSON, not the result of that kind of task)."""
     try:
         result = json.loads(task.result.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ValueError(f"{task.result}: damaged result ({type(e).__name__}: {e})") from None
-    missing = [k for k in _RESULT_KEYS[task.kind] if not isinstance(result, dict) or k not in result]
+    keys = result if isinstance(result, dict) else {}
+    missing = [k for k in _RESULT_KEYS[task.kind] if k not in keys]
     if not isinstance(result, dict) or missing:
-        raise ValueError(f"{task.result}: damaged result (not an object with {', '.join(missing) or 'keys'})")
+        want = ", ".join(missing) or "keys"
+        raise ValueError(f"{task.result}: damaged result (not an object with {want})")
     return result
 
 
@@ -292,8 +295,9 @@ class ExperimentRunner:
         return self.collect(tasks, time.perf_counter() - t0, len(tasks) - reused)
 
     def _intact(self, task: Task) -> bool:
-        """Whether a task's result can be reused; a damaged one is renamed ``result.json.damaged`` (kept for a
-        look, never read again) and the task runs again, resuming from its last window checkpoint."""
+        """Whether a task's result can be reused; a damaged one is renamed ``result.json.damaged``
+        (kept for a look, never read again) and the task runs again, resuming from its last window
+        checkpoint."""
         try:
             read_result(task)
             return True

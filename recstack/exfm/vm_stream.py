@@ -158,5 +158,6 @@ def run_vm_stream(job: VMJob, device: torch.device | str = "cpu") -> dict[str, A
     )
     records = trainer.run()
     result = {"job": job.to_dict(), "records": records, "summary": trainer.summary()}
-    atomic_write_text(out / "result.json", json.dumps(result, indent=1))  # whole or absent after a crash
+    # whole or absent after a crash
+    atomic_write_text(out / "result.json", json.dumps(result, indent=1))
     return result

@@ -84,8 +84,9 @@ def export_program(model: DLRM, path: Path) -> None:
         ep = torch.export.export(prog, args, dynamic_shapes=shapes)
         ep = ep.run_decompositions({})  # core aten operators only
         ep._example_inputs = None  # sample inputs would be pickled into the archive; the loader refuses them
-        # Into memory, then a plain write: torch's zip writer, on a full disk, throws from its destructor too and
-        # ends the process in std::terminate (SIGABRT); a write of bytes fails with an OSError instead.
+        # Into memory, then a plain write: torch's zip writer, on a full disk, throws from its
+        # destructor too and ends the process in std::terminate (SIGABRT); a write of bytes fails
+        # with an OSError instead.
         buf = io.BytesIO()
         torch.export.save(ep, buf)
     path.write_bytes(buf.getbuffer())
@@ -206,9 +207,10 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
             "transforms": TRANSFORMS_FILE,
         }
 
-    # A lower bound of the artifact's bytes (tables, scales, dense weights, transform arrays), checked before
-    # the export program is traced: the writes below still handle ENOSPC, this saves the work.
-    need = sum(t.num_embeddings * bytes_per_row(widths[t.name], t.embedding_dim) for t in emb.tables)
+    # A lower bound of the artifact's bytes (tables, scales, dense weights, transform arrays),
+    # checked before the export program is traced: the writes still handle ENOSPC, this saves work.
+    need = sum(t.num_embeddings * bytes_per_row(widths[t.name], t.embedding_dim)
+               for t in emb.tables)
     need += sum(p.numel() * p.element_size() for p in DenseProgram(model).parameters())
     need += sum(a.nbytes for a in arrays.values())
     check_free_space(out, need, "the artifact")

@@ -115,8 +115,8 @@ def open_group(width: str, rows: int, dim: int, data_path: Path, sb_path: Path) 
 
 
 def _mapped(path: Path, dtype: type, shape: tuple[int, int]) -> np.ndarray:
-    """A new ``.npy`` of ``shape`` as a writable memory map, its blocks allocated first (``reserve``): a full disk
-    is then an OSError here, never a SIGBUS at a store into the map."""
+    """A new ``.npy`` of ``shape`` as a writable memory map, its blocks allocated first
+    (``reserve``): a full disk is then an OSError here, never a SIGBUS at a store into the map."""
     a = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)  # a sparse file so far
     reserve(path, path.stat().st_size)
     return a

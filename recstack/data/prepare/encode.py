@@ -30,7 +30,8 @@ from recstack.data.prepare.columns import (
 from recstack.data.prepare.readers.base import BadRow, BadRowLog, DataError, RawChunk, report_in_order
 from recstack.data.prepare.schema import RESERVED_ROWS, Schema, SchemaError, SparseSpec
 
-# Prepared data stores float32: a larger magnitude (Parquet's doubles, "1e308" in a CSV) would become inf there.
+# Prepared data stores float32: a larger magnitude (Parquet's doubles, "1e308" in a CSV) would
+# become inf there.
 F32_MAX = float(np.finfo(np.float32).max)
 F32_RANGE = "not a float32 (its magnitude is above 3.4e38, the largest prepared data can hold)"
 
@@ -130,7 +131,7 @@ def parse_chunk(chunk: RawChunk, schema: Schema, log: BadRowLog) -> ParsedChunk:
         vals, bad = to_numbers(_check_type(chunk, d.column, "number"))
         probs.add(bad, d.column, "not a number")
         probs.add(np.isinf(vals), d.column, "not a finite number")
-        probs.add(np.abs(vals) > F32_MAX, d.column, F32_RANGE)  # else inf (and -inf once standardized)
+        probs.add(np.abs(vals) > F32_MAX, d.column, F32_RANGE)  # else inf (-inf standardized)
         dense[:, j] = vals
 
     bags = [_parse_sparse(chunk, s, probs) for s in schema.sparse]

@@ -167,23 +167,26 @@ class HostStore(RowStore):
 class SSDStore(RowStore):
     """Records in an unlinked, log-structured file under ``directory`` (see the module doc).
 
-    ``location`` [N] is the record index of each row's newest copy in the file; records ``[N, end)`` are the
-    appended ones. ``compact_ratio``: rewrite the file once ``end - N`` exceeds this many tables. Large reads are
-    split over ``io_threads`` threads (0 = one per CPU, at most 8). ``name``: the table's, for error messages.
+    ``location`` [N] is the record index of each row's newest copy in the file; records ``[N, end)``
+    are the appended ones. ``compact_ratio``: rewrite the file once ``end - N`` exceeds this many
+    tables. Large reads are split over ``io_threads`` threads (0 = one per CPU, at most 8).
+    ``name``: the table's, for error messages.
 
-    Each new file has the table's bytes allocated at once (``posix_fallocate``), so a disk without room for the
-    table stops the store where it is made; a write that the disk cannot take later (the appended records grow
-    the file) is a DiskError naming the directory and the table, like any other disk fault.
+    Each new file has the table's bytes allocated at once (``posix_fallocate``), so a disk without
+    room for the table stops the store where it is made; a write that the disk cannot take later
+    (the appended records grow the file) is a DiskError naming the directory and the table, like any
+    other disk fault.
     """
 
     def __init__(
-        self, num_rows: int, width: int, directory: str | Path, compact_ratio: float = 1.0, io_threads: int = 0,
-        name: str = "",
+        self, num_rows: int, width: int, directory: str | Path, compact_ratio: float = 1.0,
+        io_threads: int = 0, name: str = "",
     ) -> None:
         super().__init__(num_rows, width)
         self.io_threads = io_threads or min(8, os.cpu_count() or 1)
         self.directory = Path(directory)
-        self.where = f"{self.directory} (the file of ssd-cached table {name!r})" if name else str(self.directory)
+        table = f" (the file of ssd-cached table {name!r})" if name else ""
+        self.where = f"{self.directory}{table}"  # what a disk fault names
         self.directory.mkdir(parents=True, exist_ok=True)
         self.compact_ratio = compact_ratio
         self.compactions = 0

@@ -181,8 +181,9 @@ class Checkpointer:
             if best is not None:
                 kept = Checkpointer.read(ckpt_dir / best["checkpoint"], device)
                 if kept.get("step") != best["step"]:
-                    raise CheckpointError(f"{ckpt_dir / BEST_FILE}: records step {best['step']}, but the "
-                                          f"checkpoint it names, {kept['path']}, holds step {kept.get('step')}")
+                    raise CheckpointError(
+                        f"{ckpt_dir / BEST_FILE}: records step {best['step']}, but the checkpoint "
+                        f"it names, {kept['path']}, holds step {kept.get('step')}")
                 return kept
             state = latest_checkpoint(ckpt_dir, device)  # the newest valid one of one process, else of torchrun
             if state is not None:
@@ -220,10 +221,11 @@ def any_checkpoint(ckpt_dir: Path) -> bool:
 
 
 def read_best(ckpt_dir: Path) -> dict[str, Any] | None:
-    """``best.json`` of a checkpoints directory: {"step", "checkpoint", "metrics"}; None when there is none.
-    Checked, as any file of a checkpoint: the checkpoint it names lies inside ``ckpt_dir`` (after symbolic links)
-    and is named for the step it records (``read`` checks the step inside it too); else a CheckpointError naming
-    best.json, so that eval, predict, export and --resume never take another run's or another step's weights."""
+    """``best.json`` of a checkpoints directory: {"step", "checkpoint", "metrics"}; None when there
+    is none. Checked, as any file of a checkpoint: the checkpoint it names lies inside ``ckpt_dir``
+    (after symbolic links) and is named for the step it records (``read`` checks the step inside it
+    too); else a CheckpointError naming best.json, so that eval, predict, export and --resume never
+    take another run's or another step's weights."""
     path = ckpt_dir / BEST_FILE
     if not path.is_file():
         return None
@@ -231,20 +233,23 @@ def read_best(ckpt_dir: Path) -> dict[str, Any] | None:
         record = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
-    step, name = (record.get("step"), record.get("checkpoint")) if isinstance(record, dict) else (None, None)
+    fields = record if isinstance(record, dict) else {}
+    step, name = fields.get("step"), fields.get("checkpoint")
     if not isinstance(step, int) or isinstance(step, bool) or not isinstance(name, str):
-        raise CheckpointError(f"{path}: expected an object with an integer \"step\" and a \"checkpoint\" path")
+        raise CheckpointError(f"{path}: expected an object with an integer \"step\" and a "
+                              "\"checkpoint\" path")
     target = ckpt_dir / name
     if Path(name).is_absolute() or ".." in Path(name).parts or \
             not target.resolve().is_relative_to(ckpt_dir.resolve()):
-        raise CheckpointError(f"{path}: names {name!r}, which lies outside the run's checkpoints ({ckpt_dir})")
+        raise CheckpointError(f"{path}: names {name!r}, which lies outside the run's checkpoints "
+                              f"({ckpt_dir})")
     try:
         named: int | None = _step_of(target)
     except ValueError:
         named = None
     if named != step:
-        raise CheckpointError(f"{path}: records step {step}, but names {name!r}"
-                              + (", not a checkpoint" if named is None else f", a checkpoint of step {named}"))
+        what = ", not a checkpoint" if named is None else f", a checkpoint of step {named}"
+        raise CheckpointError(f"{path}: records step {step}, but names {name!r}{what}")
     return record
 
 

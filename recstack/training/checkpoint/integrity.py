@@ -52,18 +52,21 @@ _METADATA_GLOBALS.update({
 })
 
 
-# The classes whose instances a ``.metadata`` file fills in (pickle's BUILD): DCP's dataclasses, each from a dict of
-# its own fields, and TensorProperties from its own ``__setstate__`` tuple. Nothing else is ever built.
+# The classes whose instances a ``.metadata`` file fills in (pickle's BUILD): DCP's dataclasses,
+# each from a dict of its own fields, and TensorProperties from its own ``__setstate__`` tuple.
+# Nothing else is ever built.
 _BUILT_FROM_FIELDS = (dcp_md.Metadata, dcp_md.StorageMeta, dcp_md.TensorStorageMetadata,
                       dcp_md.ChunkStorageMetadata, dcp_md.MetadataIndex, dcp_fs._StorageInfo)
-_PLAIN = (str, int, float, bool, type(None), bytes, torch.dtype, torch.layout, dcp_md._MEM_FORMAT_ENCODING)
+_PLAIN = (str, int, float, bool, type(None), bytes, torch.dtype, torch.layout,
+          dcp_md._MEM_FORMAT_ENCODING)
 
 
 class _MetadataUnpickler(pickle._Unpickler):
-    """Python's own unpickler (its opcodes are methods, so BUILD can be replaced; the C one runs BUILD itself)
-    that constructs only the listed globals and builds only instances of the DCP classes above. A crafted BUILD
-    would otherwise set any attribute of any object it can reach, classes included: one that replaced
-    ``pathlib.PosixPath.__fspath__`` changed every path of the process before the file was refused."""
+    """Python's own unpickler (its opcodes are methods, so BUILD can be replaced; the C one runs
+    BUILD itself) that constructs only the listed globals and builds only instances of the DCP
+    classes above. A crafted BUILD would otherwise set any attribute of any object it can reach,
+    classes included: one that replaced ``pathlib.PosixPath.__fspath__`` changed every path of the
+    process before the file was refused."""
 
     stack: list[Any]  # the unpickler's own, set by ``load``
 
@@ -86,11 +89,13 @@ class _MetadataUnpickler(pickle._Unpickler):
             fields = {f.name for f in dataclasses.fields(kind)}
             unknown = [k for k in state if not isinstance(k, str) or k not in fields]
             if not unknown:
-                inst.__dict__.update(state)  # what pickle does for a dataclass, without any __setstate__
+                inst.__dict__.update(state)  # what pickle does for a dataclass, no __setstate__
                 return
-            raise pickle.UnpicklingError(f"it sets {unknown[0]!r} on a {kind.__name__}, which has no such field")
+            raise pickle.UnpicklingError(f"it sets {unknown[0]!r} on a {kind.__name__}, which has "
+                                         "no such field")
         what = f"the class {inst.__name__}" if isinstance(inst, type) else f"a {kind.__name__}"
-        raise pickle.UnpicklingError(f"it sets attributes of {what}, which DCP checkpoint metadata never does")
+        raise pickle.UnpicklingError(f"it sets attributes of {what}, which DCP checkpoint metadata "
+                                     "never does")
 
     dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: cast(Any, load_build)}
 
@@ -101,8 +106,8 @@ def read_dcp_metadata(file: Path) -> dcp_md.Metadata:
     try:
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError,
-            OverflowError, struct.error) as e:
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError,
+            KeyError, OverflowError, struct.error) as e:
         raise CheckpointError(f"{file}: refused as DCP checkpoint metadata ({type(e).__name__}: {e})") from e
     except OSError as e:
         raise CheckpointError(f"{file}: unreadable ({e})") from e
