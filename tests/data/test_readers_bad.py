@@ -289,9 +289,9 @@ def test_line_numbers_in_messages(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("transform", ["none", "standardize"])
 def test_a_double_beyond_float32_is_a_bad_row_not_an_infinity(tmp_path: Path, transform: str) -> None:
-    """A Parquet double of 1e308 (finite, but no float32) in a dense column: ``recstack data prepare`` stops
-    naming file, row and column (it used to store -inf standardized, inf otherwise), leaves no output, and with
-    --skip-bad-rows drops that row; every stored value is finite."""
+    """A Parquet double of 1e308 (finite, but no float32) in a dense column: ``recstack data
+    prepare`` stops naming file, row and column (it used to store -inf standardized, inf otherwise),
+    leaves no output, and with --skip-bad-rows drops that row; every stored value is finite."""
     path = tmp_path / "big.parquet"
     pq.write_table(pa.table({"rating": [5.0, 2.0, 4.0, 1.0], "age": [30.0, 1e308, 41.0, -3.5e38],
                              "user": ["u1", "u2", "u1", "u3"], "item": [3, 7, 9, 4]}), path)

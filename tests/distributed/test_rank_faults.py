@@ -172,9 +172,10 @@ def test_ranks_with_different_world_layouts_stop_at_start(tiny_dataset: Path, tm
 
 
 def test_other_output_dirs_or_overwrite_stop_before_removing(tiny_dataset: Path, tmp_path: Path) -> None:
-    """``--output-dir run`` from two working directories (the same text, two directories: each rank would hold
-    part of every sharded checkpoint), and ``--overwrite`` on rank 0 alone over an earlier run: every rank stops
-    at start-up naming the difference, and the earlier run is still whole (rank 0 used to remove it first)."""
+    """``--output-dir run`` from two working directories (the same text, two directories: each rank
+    would hold part of every sharded checkpoint), and ``--overwrite`` on rank 0 alone over an
+    earlier run: every rank stops at start-up naming the difference, and the earlier run is still
+    whole (rank 0 used to remove it first)."""
     earlier = tmp_path / "a" / "run"
     (earlier / "checkpoints" / "step_000000002").mkdir(parents=True)
     (earlier / "checkpoints" / "step_000000002" / "trainer.pt").write_bytes(b"an earlier run's checkpoint")

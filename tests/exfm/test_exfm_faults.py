@@ -99,10 +99,10 @@ def test_a_killed_runner_leaves_no_helper_running(tmp_path: Path) -> None:
 
 
 def test_a_damaged_task_result_is_named_and_the_task_runs_again(tmp_path: Path) -> None:
-    """A task's ``result.json`` cut short (a full disk, a crash while an older recstack wrote it): the rerun
-    names the file, sets it aside and runs that task again (resuming from its last window checkpoint), reusing
-    the others; the report is the one of the first run. It used to stop every rerun with a JSON error that named
-    no file."""
+    """A task's ``result.json`` cut short (a full disk, a crash while an older recstack wrote it):
+    the rerun names the file, sets it aside and runs that task again (resuming from its last window
+    checkpoint), reusing the others; the report is the one of the first run. It used to stop every
+    rerun with a JSON error that named no file."""
     cfg = tmp_path / "exfm.toml"
     cfg.write_text(TINY.replace("rows = 3000", "rows = 2000"))
     out = tmp_path / "run"

@@ -185,10 +185,10 @@ def best_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.mark.parametrize("damage", ["outside", "other step", "other content"])
 def test_a_best_json_that_names_another_checkpoint_is_refused(best_run: Path, tiny_dataset: Path, tmp_path: Path,
                                                               damage: str) -> None:
-    """``best.json`` naming a checkpoint outside the run (another run's), one of another step than it records,
-    or a file under the right name that holds another step: ``eval``, ``predict`` and ``export`` of the run
-    refuse it with one line naming best.json, instead of using those weights (nor does ``--resume``, through the
-    same reader)."""
+    """``best.json`` naming a checkpoint outside the run (another run's), one of another step than
+    it records, or a file under the right name that holds another step: ``eval``, ``predict`` and
+    ``export`` of the run refuse it with one line naming best.json, instead of using those weights
+    (nor does ``--resume``, through the same reader)."""
     run = copy_run(best_run, tmp_path)
     shutil.copytree(best_run, tmp_path / "other")
     ckpts = run / "checkpoints"

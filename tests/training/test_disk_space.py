@@ -1,11 +1,12 @@
-"""Writers that need room they may not get: ``recstack export`` (its tables written through memory maps, its
-dense program through torch's zip writer) and the SSD store of ``ssd-cached`` tables (files that grow while the
-run trains), on a disk that fills up. Each ends with exit code 2 (3 for the ranks whose peer failed) and one line
-naming the path and the cause, never a crash by signal (SIGBUS from a store into a mapped page the disk cannot
-back, SIGABRT from torch's zip writer or gloo at exit), and leaves nothing half-written behind.
+"""Writers that need room they may not get: ``recstack export`` (its tables written through memory
+maps, its dense program through torch's zip writer) and the SSD store of ``ssd-cached`` tables
+(files that grow while the run trains), on a disk that fills up. Each ends with exit code 2 (3 for
+the ranks whose peer failed) and one line naming the path and the cause, never a crash by signal
+(SIGBUS from a store into a mapped page the disk cannot back, SIGABRT from torch's zip writer or
+gloo at exit), and leaves nothing half-written behind.
 
-These need a disk that is really full (ENOSPC for every file, mapped ones included): a tmpfs, which the tests
-mount where they may (``disk_helpers``); elsewhere they are skipped, saying why."""
+These need a disk that is really full (ENOSPC for every file, mapped ones included): a tmpfs, which
+the tests mount where they may (``disk_helpers``); elsewhere they are skipped, saying why."""
 
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ def pages(root: Path) -> int:
 
 
 def test_export_to_a_disk_that_fills_up(single_run: Path, tmp_path: Path) -> None:
-    """Too little room for the tables: refused before the work. Room for the tables but not for the whole
-    artifact: the write that does not fit fails (the mapped table files' blocks are allocated before they are
-    mapped; the dense program is written as plain bytes), one line, no ``.<out>.tmp-*`` left. With room, the
-    same command succeeds."""
+    """Too little room for the tables: refused before the work. Room for the tables but not for the
+    whole artifact: the write that does not fit fails (the mapped table files' blocks are allocated
+    before they are mapped; the dense program is written as plain bytes), one line, no
+    ``.<out>.tmp-*`` left. With room, the same command succeeds."""
     ckpt = str(single_run / "checkpoints" / "ckpt_000000004.pt")
     with small_disk(tmp_path) as disk:
         tmpfs_or_skip(disk)
@@ -60,10 +61,10 @@ SSD = [*SMALL, 'dist.sharding="row_wise"', 'memory.device="6000"', 'memory.host=
 
 @pytest.mark.parametrize("free", [8 * 1024, 96 * 1024])
 def test_an_ssd_dir_that_fills_up_under_torchrun(tiny_dataset: Path, tmp_path: Path, free: int) -> None:
-    """``memory.ssd_dir`` on a disk with room for less than the tables (the store's first write fails) or for
-    them but not for what the run appends: the rank whose file does not grow says so in one line naming its
-    directory and the cause and exits with 2, the other exits with 3 naming that rank's failure; no rank dies by
-    a signal, and no table file is left."""
+    """``memory.ssd_dir`` on a disk with room for less than the tables (the store's first write
+    fails) or for them but not for what the run appends: the rank whose file does not grow says so
+    in one line naming its directory and the cause and exits with 2, the other exits with 3 naming
+    that rank's failure; no rank dies by a signal, and no table file is left."""
     with small_disk(tmp_path) as disk:
         tmpfs_or_skip(disk)
         ssd = disk.path / "ssd"

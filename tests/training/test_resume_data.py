@@ -119,9 +119,9 @@ def test_a_resume_refused_for_another_reason_changes_nothing(tiny_dataset: Path,
 def test_an_order_option_changed_mid_epoch_is_refused(tiny_dataset: Path, tmp_path: Path, option: str, was: int,
                                                       now: int) -> None:
     """Stopped after 4 of an epoch's 282 shuffled batches, resumed with another ``train.seed`` or
-    ``train.shuffle_window``: the rest of the epoch would come from another permutation (rows trained twice or
-    never), so it is refused, like a ``train.shuffle`` change, naming the option and both values; nothing of the
-    run changes."""
+    ``train.shuffle_window``: the rest of the epoch would come from another permutation (rows
+    trained twice or never), so it is refused, like a ``train.shuffle`` change, naming the option
+    and both values; nothing of the run changes."""
     window = [*STEPS, 'train.shuffle="window"', "train.shuffle_window=1000"]
     run = tmp_path / "run"
     _train(run, tiny_dataset, window)

@@ -80,8 +80,8 @@ def test_a_table_too_large_for_memory_is_an_error_before_allocating(tmp_path: Pa
 
 
 def test_a_thread_count_past_the_bound_is_an_error_not_a_crash(tiny_dataset: Path, tmp_path: Path) -> None:
-    """``train.threads=100000`` (torch's pool dies by SIGSEGV starting that many) and ``serve --threads``: one
-    line naming the option and the bound, exit 2, before anything is written."""
+    """``train.threads=100000`` (torch's pool dies by SIGSEGV starting that many) and ``serve
+    --threads``: one line naming the option and the bound, exit 2, before anything is written."""
     res = run_cli(train_args(tmp_path / "run", tiny_dataset, [*SMALL, "train.threads=100000"]), timeout=120)
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
     assert "recstack train: error: train.threads: must be <= 1024, got 100000" in res.stderr, res.stderr[-2000:]
