@@ -106,9 +106,9 @@ def test_a_damaged_task_result_is_named_and_the_task_runs_again(tmp_path: Path) 
     cfg = tmp_path / "exfm.toml"
     cfg.write_text(TINY.replace("rows = 3000", "rows = 2000"))
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "recstack", "exfm", "run", "--config", str(cfg), "--output-dir", str(out),
-            "--set", 'experiment.arms=["alone", "aux"]', "--set", "experiment.verticals=[0]",
-            "--set", "experiment.workers=1"]
+    args = [sys.executable, "-m", "recstack", "exfm", "run", "--config", str(cfg), "--output-dir",
+            str(out), "--set", 'experiment.arms=["alone", "aux"]',
+            "--set", "experiment.verticals=[0]", "--set", "experiment.workers=1"]
     first = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     summary = json.loads((out / "results.json").read_text())["summary"]
@@ -117,7 +117,8 @@ def test_a_damaged_task_result_is_named_and_the_task_runs_again(tmp_path: Path) 
     result.write_text(result.read_text()[:100])
     again = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-3000:]
-    assert f"exfm: {result}: damaged result (JSONDecodeError: " in again.stdout, again.stdout[-3000:]
+    assert f"exfm: {result}: damaged result (JSONDecodeError: " in again.stdout, again.stdout
     assert "4 tasks (3 reused from an earlier run of the same config, 1 to run)" in again.stdout
-    assert result.with_name("result.json.damaged").is_file() and json.loads(result.read_text())["summary"]
+    assert result.with_name("result.json.damaged").is_file()
+    assert json.loads(result.read_text())["summary"]
     assert json.loads((out / "results.json").read_text())["summary"] == summary

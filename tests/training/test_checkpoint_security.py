@@ -145,12 +145,14 @@ def test_metadata_patching_a_class_is_refused(sharded_run: Path, tmp_path: Path)
     res = run_cli(["eval", "--checkpoint", str(step_dir)])
     assert res.returncode == 2, res.stderr[-3000:]
     assert "Traceback" not in res.stderr and "KeyError" not in res.stderr, res.stderr[-3000:]
-    assert (f"{step_dir / '.metadata'}: refused as DCP checkpoint metadata (UnpicklingError: it sets attributes "
-            "of the class PosixPath, which DCP checkpoint metadata never does)") in res.stderr, res.stderr[-3000:]
+    assert (f"{step_dir / '.metadata'}: refused as DCP checkpoint metadata (UnpicklingError: it "
+            "sets attributes of the class PosixPath, which DCP checkpoint metadata never does)"
+            ) in res.stderr, res.stderr[-3000:]
     res = run_cli(["eval", "--checkpoint", str(run)])
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"skipping {step_dir}" in res.stderr and "KeyError" not in res.stderr, res.stderr[-3000:]
-    assert f"checkpoint: {run / 'checkpoints' / 'step_000000002'} (step 2)" in res.stderr, res.stderr[-2000:]
+    older = run / "checkpoints" / "step_000000002"
+    assert f"checkpoint: {older} (step 2)" in res.stderr, res.stderr[-2000:]
 
 
 def test_the_metadata_reader_sets_nothing_on_any_class(sharded_run: Path, tmp_path: Path) -> None:

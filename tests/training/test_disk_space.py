@@ -22,7 +22,8 @@ PAGE = 4096
 
 def tmpfs_or_skip(disk: Disk) -> None:
     if not disk.mounted:
-        pytest.skip("needs a tmpfs (root with CAP_SYS_ADMIN): a per-file size limit does not fill a memory map")
+        pytest.skip("needs a tmpfs (root with CAP_SYS_ADMIN): a per-file size limit does not fill "
+                    "a memory map")
 
 
 def pages(root: Path) -> int:
@@ -39,7 +40,8 @@ def test_export_to_a_disk_that_fills_up(single_run: Path, tmp_path: Path) -> Non
     with small_disk(tmp_path) as disk:
         tmpfs_or_skip(disk)
         out = disk.path / "artifact"
-        assert disk.run(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "ref")]).returncode == 0
+        ref = disk.run(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "ref")])
+        assert ref.returncode == 0, ref.stderr[-2000:]
         whole = pages(tmp_path / "ref")
         for free, before in ((PAGE, True), (whole - 2 * PAGE, False)):
             disk.fill(free)
@@ -53,14 +55,15 @@ def test_export_to_a_disk_that_fills_up(single_run: Path, tmp_path: Path) -> Non
         assert sorted(p.name for p in disk.path.iterdir()) == ["artifact"]
 
 
-# 2 ranks, row-wise: on each rank C2 and C4's shards in SSD files of 5.3 and 17.6 KiB, behind caches of ~21%;
-# every step appends the rows it evicts to those files.
-SSD = [*SMALL, 'dist.sharding="row_wise"', 'memory.device="6000"', 'memory.host="1"', "train.max_steps=60",
-       "train.eval_every=0"]
+# 2 ranks, row-wise: on each rank C2 and C4's shards in SSD files of 5.3 and 17.6 KiB, behind
+# caches of ~21%; every step appends the rows it evicts to those files.
+SSD = [*SMALL, 'dist.sharding="row_wise"', 'memory.device="6000"', 'memory.host="1"',
+       "train.max_steps=60", "train.eval_every=0"]
 
 
 @pytest.mark.parametrize("free", [8 * 1024, 96 * 1024])
-def test_an_ssd_dir_that_fills_up_under_torchrun(tiny_dataset: Path, tmp_path: Path, free: int) -> None:
+def test_an_ssd_dir_that_fills_up_under_torchrun(tiny_dataset: Path, tmp_path: Path,
+                                                  free: int) -> None:
     """``memory.ssd_dir`` on a disk with room for less than the tables (the store's first write
     fails) or for them but not for what the run appends: the rank whose file does not grow says so
     in one line naming its directory and the cause and exits with 2, the other exits with 3 naming
@@ -69,12 +72,13 @@ def test_an_ssd_dir_that_fills_up_under_torchrun(tiny_dataset: Path, tmp_path: P
         tmpfs_or_skip(disk)
         ssd = disk.path / "ssd"
         disk.fill(free)
-        res = disk.run(train_args(tmp_path / "run", tiny_dataset, [*SSD, f'memory.ssd_dir="{ssd}"']),
-                       launcher=torchrun(2), timeout=400)
+        args = train_args(tmp_path / "run", tiny_dataset, [*SSD, f'memory.ssd_dir="{ssd}"'])
+        res = disk.run(args, launcher=torchrun(2), timeout=400)
         assert res.returncode != 0
         codes = [int(c) for c in re.findall(r"exitcode\s*: (-?\d+)", res.stderr)]
         assert codes and all(c in (2, 3, -15) for c in codes) and 2 in codes, res.stderr[-4000:]
-        assert "terminate called" not in res.stderr and "]: Traceback" not in res.stderr, res.stderr[-4000:]
+        assert "terminate called" not in res.stderr, res.stderr[-4000:]
+        assert "]: Traceback" not in res.stderr, res.stderr[-4000:]
         errors = re.findall(r"recstack train: error: (.*)", res.stderr)
         mine = [e for e in errors if "No space left on device (ENOSPC)" in e]
         assert mine and all(re.search(rf"cannot write {ssd}/rank_[01]\b", e) for e in mine), errors
