@@ -155,6 +155,8 @@ Round 3, part A: crashes by signal, lost or wrong results, the metadata unpickle
     data/test_readers_bad.py::test_a_double_beyond_float32_is_a_bad_row_not_an_infinity
 - damaged ExFM task ``result.json`` (blocked every rerun):
     exfm/test_exfm_faults.py::test_a_damaged_task_result_is_named_and_the_task_runs_again
+- a prepared file cut short in place while ``train`` reads it through memory maps (SIGBUS):
+    data/test_prepared_checks.py::test_a_file_cut_short_under_training_is_an_error_not_sigbus
 - ``.metadata`` setting ``pathlib.PosixPath.__fspath__`` (BUILD on a class), then a KeyError:
     training/test_checkpoint_security.py::test_metadata_patching_a_class_is_refused
     training/test_checkpoint_security.py::test_the_metadata_reader_sets_nothing_on_any_class
