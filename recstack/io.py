@@ -9,7 +9,10 @@ later only need their bytes on disk before that rename: ``open_synced`` / ``fsyn
 Disk faults (a read-only or full disk, no permission) are one :class:`DiskError` naming the path and the cause:
 ``writing`` turns the ``OSError`` a writer raises (or that torch or numpy raise while wrapping one, such as
 torch.save's "unexpected pos") into it and removes what was half-written; ``atomic_path`` does so for its
-``.tmp``. ``check_writable`` finds an unwritable output before a command does its work.
+``.tmp``. ``check_writable`` finds an unwritable output before a command does its work,
+``check_free_space`` one too small for what it will hold. A file written through a memory map has
+its blocks reserved first (``reserve``): a store to a mapped page that the disk cannot back kills
+the process with SIGBUS, where a failed ``fallocate`` is an ``OSError`` like any other.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from recstack.errors import DiskError, RecstackError
+from recstack.units import format_bytes
 
 
 def fsync_dir(directory: str | Path) -> None:
@@ -197,3 +201,35 @@ def check_writable(path: str | Path, *, directory: bool, inside: bool = False) -
         raise disk_error(OSError(e.errno, e.strerror), where) from None
     os.close(fd)
     os.unlink(probe)
+
+
+def free_bytes(path: str | Path) -> int:
+    """Bytes an unprivileged writer may still put on the file system of ``path`` (or of its nearest
+    existing parent)."""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    st = os.statvfs(where)
+    return st.f_bavail * st.f_frsize
+
+
+def check_free_space(path: str | Path, need: int, what: str) -> None:
+    """Before the work: a :class:`DiskError` naming ``path`` when its file system has less than
+    ``need`` bytes free for ``what`` (e.g. "the artifact"). A lower bound only: the writes still
+    handle ENOSPC."""
+    free = free_bytes(path)
+    if free < need:
+        raise DiskError(f"cannot write {path}: {what} needs about {format_bytes(need)}, the disk "
+                        f"has {format_bytes(free)} free: No space left on device (ENOSPC)")
+
+
+def reserve(path: str | Path, nbytes: int) -> None:
+    """Allocate the blocks of the first ``nbytes`` of ``path`` (created when missing) before it is
+    written through a memory map: ENOSPC is then an ``OSError`` here instead of a SIGBUS at the
+    first store to a page the disk cannot back."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if nbytes > 0:
+            os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)

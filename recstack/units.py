@@ -13,6 +13,10 @@ Two spellings are in use, each where its readers expect it:
   ``m``, ``h`` or ``d``.
 
 No torch here: the planner and the config use it without loading it.
+
+Also the one bound on thread counts (``MAX_THREADS``): torch's OpenMP pool, asked for 100,000
+threads, dies by SIGSEGV when it starts them, so every option that sets one (``train.threads``,
+``experiment.threads``, ``serve --threads``) is checked against it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ _BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _PREFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15,
            "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50}
 _QUANTITY = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([kmgtp]i?)?(b|bit|bits)?(/s|ps)?\s*", re.IGNORECASE)
+
+MAX_THREADS = 1024  # threads of one process's intra-op pool: far above any machine's useful count
 
 _BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 _DECIMAL = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3))

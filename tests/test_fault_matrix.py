@@ -138,6 +138,29 @@ Case -> test (``module::name`` under tests/), for every case of the hardening wo
 - absurd model sizes:
     training/test_run_outputs.py::test_a_table_too_large_for_memory_is_an_error_before_allocating
 
+Round 3, part A: crashes by signal, lost or wrong results, the metadata unpickler
+- ``export`` to a disk that fills up (SIGBUS, SIGABRT, a ``.<out>.tmp-*`` left):
+    training/test_disk_space.py::test_export_to_a_disk_that_fills_up
+- ``memory.ssd_dir`` filling up under torchrun (SIGABRT, no path named):
+    training/test_disk_space.py::test_an_ssd_dir_that_fills_up_under_torchrun
+- ``train.threads=100000`` (SIGSEGV), ``serve --threads``:
+    training/test_run_outputs.py::test_a_thread_count_past_the_bound_is_an_error_not_a_crash
+- ranks with other ``--output-dir``s, ``--overwrite`` on one rank (removed the earlier run first):
+    distributed/test_rank_faults.py::test_other_output_dirs_or_overwrite_stop_before_removing
+- ``train.seed`` / ``train.shuffle_window`` changed at a mid-epoch ``--resume``:
+    training/test_resume_data.py::test_an_order_option_changed_mid_epoch_is_refused
+- ``best.json`` naming a checkpoint outside the run or of another step (eval, predict, export):
+    training/test_checkpoint_faults.py::test_a_best_json_that_names_another_checkpoint_is_refused
+- Parquet 1e308 (``-inf`` in prepared data):
+    data/test_readers_bad.py::test_a_double_beyond_float32_is_a_bad_row_not_an_infinity
+- damaged ExFM task ``result.json`` (blocked every rerun):
+    exfm/test_exfm_faults.py::test_a_damaged_task_result_is_named_and_the_task_runs_again
+- a prepared file cut short in place while ``train`` reads it through memory maps (SIGBUS):
+    data/test_prepared_checks.py::test_a_file_cut_short_under_training_is_an_error_not_sigbus
+- ``.metadata`` setting ``pathlib.PosixPath.__fspath__`` (BUILD on a class), then a KeyError:
+    training/test_checkpoint_security.py::test_metadata_patching_a_class_is_refused
+    training/test_checkpoint_security.py::test_the_metadata_reader_sets_nothing_on_any_class
+
 SIGKILL during prepare / synth
 - SIGKILL during ``data prepare``:
     test_fault_matrix.py::test_sigkill_during_prepare_leaves_nothing_a_train_accepts

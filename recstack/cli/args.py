@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from recstack.units import MAX_THREADS
+
 
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
@@ -13,4 +15,12 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def thread_count(text: str) -> int:
+    """argparse type: a thread count, 1 .. MAX_THREADS."""
+    value = positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_THREADS}, got {value}")
     return value

@@ -31,19 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except RecstackError as e:  # bad input (2) or a failed peer (3): a message, not a traceback
-        print(f"recstack {args.command}: error: {e}", file=sys.stderr)
-        if isinstance(e, PeerFailure):
-            _leave_without_teardown(e.exit_code)
-        return e.exit_code
+        return _fail(args.command, str(e), e.exit_code, isinstance(e, PeerFailure))
     except (FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"recstack {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(args.command, str(e), 2)
     except Exception as e:  # any other OSError (a disk fault no writer named), or torch's error wrapping one
         cause = os_error_in(e)
         if cause is None:
             raise
-        print(f"recstack {args.command}: error: {disk_error(cause, action=None)}", file=sys.stderr)
-        return 2
+        return _fail(args.command, str(disk_error(cause, action=None)), 2)
     if "torch.distributed" in sys.modules:  # only a command that ran torch can have joined a job
         from recstack.distributed.agreement import leave_job
         try:
@@ -52,6 +47,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"recstack {args.command}: error: {e}", file=sys.stderr)
             _leave_without_teardown(e.exit_code)
     return 0
+
+
+def _fail(command: str, message: str, code: int, peer: bool = False) -> int:
+    """Print the one line; -> ``code``. A rank that fails while its job is still joined (a disk
+    fault in the middle of training, its peers in a collective with it) leaves without teardown too,
+    as after a peer's failure: its process group still holds that collective."""
+    print(f"recstack {command}: error: {message}", file=sys.stderr)
+    if peer or _in_job():
+        _leave_without_teardown(code)
+    return code
+
+
+def _in_job() -> bool:
+    if "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _leave_without_teardown(code: int) -> NoReturn:

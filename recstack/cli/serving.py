@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from recstack.cli.args import positive_int
+from recstack.cli.args import positive_int, thread_count
 from recstack.errors import ConfigError
 from recstack.io import check_writable
 
@@ -54,7 +54,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--workers", type=positive_int, default=1,
                    help="server processes sharing the port and the memory-mapped tables (default 1)")
-    s.add_argument("--threads", type=positive_int, default=1,
+    s.add_argument("--threads", type=thread_count, default=1,
                    help="torch threads per worker (default 1: small batches gain nothing from more, and the "
                         "event loop needs a core; scale with --workers)")
     s.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:N")

@@ -6,6 +6,7 @@ files on opening and then serves rows from the memory maps as :class:`~recstack.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -88,6 +89,8 @@ class PreparedDataset:
         self._jagged_dtypes = {f"{s.name}.{part}": np.dtype(dt) for s in self.sparse_features if s.multi_hot
                                for part, dt in JAGGED_DTYPES.items()}
         self.arrays: dict[str, np.ndarray] = {}
+        # file -> (inode, bytes) of each mapped array file, as opened (see ``_check_unchanged``)
+        self._mapped: dict[Path, tuple[int, int]] = {}
         for name, spec in self.meta["arrays"].items():
             self.arrays[name] = self._open_array(meta_file, name, spec)
         self._check_shapes(meta_file)
@@ -131,7 +134,25 @@ class PreparedDataset:
         size = f.stat().st_size if f.is_file() else -1
         if size != want:
             raise PreparedFormatError(f"{f}: {size} bytes on disk, meta.json implies {want}")
-        return np.memmap(f, dtype=dt, mode="r", shape=shape) if want else np.zeros(shape, dt)
+        if not want:
+            return np.zeros(shape, dt)
+        self._mapped[f] = (f.stat().st_ino, size)
+        return np.memmap(f, dtype=dt, mode="r", shape=shape)
+
+    def _check_unchanged(self) -> None:
+        """Before rows are copied out of the maps: a mapped file cut shorter in place (its inode
+        the same, fewer bytes) is a PreparedFormatError naming it, where reading a page past its
+        new end would kill the process with SIGBUS. A file replaced by another (recstack's writers
+        rename new files into place) is harmless: the maps keep the old one. Between this check and
+        the copy a truncation can still land: the check narrows that window to one batch's copy."""
+        for f, (inode, size) in self._mapped.items():
+            try:
+                st = os.stat(f)
+            except OSError:
+                continue  # removed: the map keeps the file's data
+            if st.st_ino == inode and st.st_size < size:
+                raise PreparedFormatError(f"{f}: {st.st_size} bytes on disk, {size} when it was "
+                                          "opened: the file was cut short while in use")
 
     def _check_shapes(self, meta_file: Path) -> None:
         """Every per-row array has ``num_rows`` rows (a larger num_rows would read rows that are not there, a
@@ -192,6 +213,7 @@ class PreparedDataset:
 
     def batch(self, start: int, end: int, extras: tuple[str, ...] = ()) -> Batch:
         """Rows [start, end) as a Batch (copies the slice out of the memory map)."""
+        self._check_unchanged()
         a = self.arrays
         return Batch(
             dense=torch.from_numpy(np.array(a["dense"][start:end], dtype=np.float32)),
@@ -202,6 +224,7 @@ class PreparedDataset:
 
     def gather(self, rows: np.ndarray, extras: tuple[str, ...] = ()) -> Batch:
         """Arbitrary rows (sorted index arrays read fastest) as a Batch."""
+        self._check_unchanged()
         a = self.arrays
         rows = np.asarray(rows, dtype=np.int64)
         return Batch(

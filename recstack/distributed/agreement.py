@@ -13,6 +13,7 @@ import datetime
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,14 +90,18 @@ def check_agreement(facts: dict[str, Any], what: str, timeout_s: float) -> None:
 
 
 def check_job(config: dict[str, Any], dist_cfg: DistConfig, world: int, resume: bool,
-              resume_on_new_data: bool = False) -> None:
-    """Collective, first of the run: every rank has the same config (every field), world size, ranks per node,
-    ``--resume`` and ``--resume-on-new-data``; else every rank raises the same ConfigError naming the first
-    difference."""
+              resume_on_new_data: bool = False, output_dir: Path | None = None,
+              overwrite: bool = False) -> None:
+    """Collective, first of the run, before anything is written or removed: every rank has the same
+    config (every field), world size, ranks per node, ``--resume``, ``--resume-on-new-data``,
+    ``--overwrite`` and output directory (resolved: "run" and "./run" are one; ranks writing into
+    different ones would each hold part of every sharded checkpoint); else every rank raises the
+    same ConfigError naming the first difference."""
     rpn = dist_cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     check_agreement({**flatten(config), "world size": world,
                      "ranks per node (dist.ranks_per_node or LOCAL_WORLD_SIZE)": rpn, "--resume": resume,
-                     "--resume-on-new-data": resume_on_new_data},
+                     "--resume-on-new-data": resume_on_new_data, "--overwrite": overwrite,
+                     "--output-dir (resolved)": str(output_dir.resolve()) if output_dir else None},
                     "config and world layout", dist_cfg.timeout_s)
 
 

@@ -17,6 +17,7 @@ from recstack.errors import ConfigError
 from recstack.models.config import ModelConfig
 from recstack.training.config import OptimConfig
 from recstack.typed_toml import fill, load_into
+from recstack.units import MAX_THREADS
 
 if TYPE_CHECKING:
     from recstack.data.synth.generate import SynthConfig
@@ -190,6 +191,8 @@ def validate(cfg: ExfmConfig) -> None:
         raise ConfigError(f"experiment.on_missing: {e.on_missing!r} is not one of error, drop")
     if e.workers < 1 or e.threads < 1 or e.das_part_rows < 1:
         raise ConfigError("experiment.workers, experiment.threads, experiment.das_part_rows: must be >= 1")
+    if e.threads > MAX_THREADS:
+        raise ConfigError(f"experiment.threads: must be <= {MAX_THREADS}, got {e.threads}")
     if d.sa_target not in ("distill", "serving"):
         raise ConfigError(f"distill.sa_target: {d.sa_target!r} is not one of distill, serving")
     if d.weight < 0 or d.alpha <= 0 or d.beta < 0 or d.sa_weight < 0 or d.sa_lr_scale <= 0:

@@ -41,6 +41,7 @@ from recstack.exfm.das import DasJob
 from recstack.exfm.lifetime import exit_with_parent
 from recstack.exfm.vm_stream import VMJob
 from recstack.exfm.windows import VerticalIndex, make_windows
+from recstack.io import atomic_write_text
 
 
 def _tag(values: Any) -> str:
@@ -75,6 +76,26 @@ class Task:
     result: Path
     deps: list[str] = field(default_factory=list)
     seed: int = 0
+
+
+# What a task's result.json must hold to be reused: an FM's result is an object, a VM's has these
+# keys.
+_RESULT_KEYS = {"fm": (), "vm": ("job", "records", "summary")}
+
+
+def read_result(task: Task) -> dict[str, Any]:
+    """A finished task's ``result.json`` -> its result; a ValueError naming the file when it is
+    damaged (cut short, not JSON, not the result of that kind of task)."""
+    try:
+        result = json.loads(task.result.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{task.result}: damaged result ({type(e).__name__}: {e})") from None
+    keys = result if isinstance(result, dict) else {}
+    missing = [k for k in _RESULT_KEYS[task.kind] if k not in keys]
+    if not isinstance(result, dict) or missing:
+        want = ", ".join(missing) or "keys"
+        raise ValueError(f"{task.result}: damaged result (not an object with {want})")
+    return result
 
 
 # The stream fields a VM's warm-up depends on (``publish_every`` only matters once FM labels flow).
@@ -135,7 +156,7 @@ def _run_task(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
         out = Path(payload["out_dir"])
         result = run_fm_stream(ds, windows, cfg.fm, payload["seed"], out, cfg.stream.publish_every,
                                eval_from=cfg.stream.vm_start)
-        (out / "result.json").write_text(json.dumps(result, indent=1))
+        atomic_write_text(out / "result.json", json.dumps(result, indent=1))
         return result
     from recstack.exfm.vm_stream import run_vm_stream
 
@@ -237,7 +258,7 @@ class ExperimentRunner:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
         tasks = self.plan()
-        done = {t.key for t in tasks if t.result.is_file()}
+        done = {t.key for t in tasks if t.result.is_file() and self._intact(t)}
         reused = len(done)
         pending = [t for t in tasks if t.key not in done]
         for seed in sorted({t.seed for t in pending if t.kind == "vm" and t.payload["staleness"] >= 0}):
@@ -286,6 +307,19 @@ class ExperimentRunner:
                     proc.wait()
         return self.collect(tasks, time.perf_counter() - t0, len(tasks) - reused)
 
+    def _intact(self, task: Task) -> bool:
+        """Whether a task's result can be reused; a damaged one is renamed ``result.json.damaged``
+        (kept for a look, never read again) and the task runs again, resuming from its last window
+        checkpoint."""
+        try:
+            read_result(task)
+            return True
+        except ValueError as e:
+            aside = task.result.with_name(task.result.name + ".damaged")
+            os.replace(task.result, aside)
+            self.log(f"exfm: {e}; moved to {aside.name}, task {task.key} runs again")
+            return False
+
     def collect(self, tasks: list[Task], seconds: float, tasks_run: int) -> dict[str, Any]:
         """Gather every task's result into one document and write the report. ``seconds``: wall time of
         this invocation, which ran ``tasks_run`` of the tasks (the others were reused from an earlier one)."""
@@ -293,7 +327,7 @@ class ExperimentRunner:
 
         fm, vms, warm = {}, [], {}
         for t in tasks:
-            res = json.loads(t.result.read_text())
+            res = read_result(t)
             if t.kind == "fm":
                 fm[t.seed] = res
             elif t.payload["phase"] == "warmup":

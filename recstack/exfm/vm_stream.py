@@ -27,6 +27,7 @@ from recstack.exfm.store import DasStore
 from recstack.exfm.stream import StreamTrainer
 from recstack.exfm.vm import FM_LOGIT, VerticalModel
 from recstack.exfm.windows import VerticalIndex, Window, make_windows, row_batches
+from recstack.io import atomic_write_text
 from recstack.metrics import BinaryMetrics
 from recstack.training.checkpoint.single import latest_checkpoint
 from recstack.training.step import build_dense_optimizer
@@ -157,5 +158,6 @@ def run_vm_stream(job: VMJob, device: torch.device | str = "cpu") -> dict[str, A
     )
     records = trainer.run()
     result = {"job": job.to_dict(), "records": records, "summary": trainer.summary()}
-    (out / "result.json").write_text(json.dumps(result, indent=1))
+    # whole or absent after a crash
+    atomic_write_text(out / "result.json", json.dumps(result, indent=1))
     return result

@@ -20,6 +20,7 @@ line) does not read them.
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 import warnings
 from pathlib import Path
@@ -32,6 +33,7 @@ from torch import nn
 from recstack import __version__
 from recstack.config import Config
 from recstack.data.prepared_dataset import PreparedDataset
+from recstack.io import check_free_space
 from recstack.models.dlrm import DLRM
 from recstack.serving.artifact import ArtifactError, write_artifact
 from recstack.serving.quantized import LEVELS, WIDTHS, bytes_per_row, open_group, write_table
@@ -82,7 +84,12 @@ def export_program(model: DLRM, path: Path) -> None:
         ep = torch.export.export(prog, args, dynamic_shapes=shapes)
         ep = ep.run_decompositions({})  # core aten operators only
         ep._example_inputs = None  # sample inputs would be pickled into the archive; the loader refuses them
-        torch.export.save(ep, path)
+        # Into memory, then a plain write: torch's zip writer, on a full disk, throws from its
+        # destructor too and ends the process in std::terminate (SIGABRT); a write of bytes fails
+        # with an OSError instead.
+        buf = io.BytesIO()
+        torch.export.save(ep, buf)
+    path.write_bytes(buf.getbuffer())
 
 
 def parse_table_widths(default: str, overrides: list[str], names: list[str]) -> dict[str, str]:
@@ -137,6 +144,7 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
               "multi_hot": s.multi_hot, "pooling": s.pooling, "weighted": s.weighted}
              for i, s in enumerate(data.sparse_features)]
     m = cfg.model
+    doc, arrays = transforms_from_data(data)
     qr = ({"collisions": m.qr_collisions, "threshold": m.qr_threshold, "operation": m.qr_operation}
           if model.qr is not None else None)
 
@@ -174,7 +182,6 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
                 if a is not None:
                     a.flush()
         fp32_bytes = sum(t.num_embeddings * bytes_per_row("fp32", t.embedding_dim) for t in emb.tables)
-        doc, arrays = transforms_from_data(data)
         for rel, a in arrays.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             np.save(tmp / rel, a, allow_pickle=False)
@@ -200,6 +207,13 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
             "transforms": TRANSFORMS_FILE,
         }
 
+    # A lower bound of the artifact's bytes (tables, scales, dense weights, transform arrays),
+    # checked before the export program is traced: the writes still handle ENOSPC, this saves work.
+    need = sum(t.num_embeddings * bytes_per_row(widths[t.name], t.embedding_dim)
+               for t in emb.tables)
+    need += sum(p.numel() * p.element_size() for p in DenseProgram(model).parameters())
+    need += sum(a.nbytes for a in arrays.values())
+    check_free_space(out, need, "the artifact")
     return write_artifact(out, fill)
 
 

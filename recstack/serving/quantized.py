@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from recstack.data.batch import SparseFeatures
+from recstack.io import reserve
 
 WIDTHS = ("fp32", "fp16", "int8", "int4")
 LEVELS = {"int8": 255, "int4": 15}
@@ -108,9 +109,17 @@ def open_group(width: str, rows: int, dim: int, data_path: Path, sb_path: Path) 
     -> writable memory maps (data, scale_bias or None)."""
     dtype = {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8, "int4": np.uint8}[width]
     cols = code_columns(width, dim) if width in LEVELS else dim  # padding bytes stay 0
-    data = np.lib.format.open_memmap(data_path, mode="w+", dtype=dtype, shape=(rows, cols))
-    sb = np.lib.format.open_memmap(sb_path, mode="w+", dtype=np.float16, shape=(rows, 2)) if width in LEVELS else None
+    data = _mapped(data_path, dtype, (rows, cols))
+    sb = _mapped(sb_path, np.float16, (rows, 2)) if width in LEVELS else None
     return data, sb
+
+
+def _mapped(path: Path, dtype: type, shape: tuple[int, int]) -> np.ndarray:
+    """A new ``.npy`` of ``shape`` as a writable memory map, its blocks allocated first
+    (``reserve``): a full disk is then an OSError here, never a SIGBUS at a store into the map."""
+    a = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)  # a sparse file so far
+    reserve(path, path.stat().st_size)
+    return a
 
 
 def write_table(weight: torch.Tensor, width: str, data: np.ndarray, sb: np.ndarray | None, offset: int) -> None:

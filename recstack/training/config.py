@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from recstack.errors import ConfigError
+from recstack.units import MAX_THREADS
 
 
 @dataclass
@@ -122,6 +123,8 @@ class TrainConfig:
                           ("shuffle_window", 1)):
             if getattr(self, name) < low:  # keep_checkpoints 0 = keep all
                 raise ConfigError(f"train.{name}: must be >= {low}, got {getattr(self, name)}")
+        if self.threads > MAX_THREADS:
+            raise ConfigError(f"train.threads: must be <= {MAX_THREADS}, got {self.threads}")
         if self.seed > 2**32 - 1:  # numpy's seed range
             raise ConfigError(f"train.seed: must be <= 2**32 - 1, got {self.seed}")
         if self.epochs == 0 and self.max_steps == 0:

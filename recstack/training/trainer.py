@@ -92,7 +92,8 @@ class Trainer:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             resume = True  # torchrun --max-restarts started us again after a failure: continue, do not redo
         if self.world > 1:  # before any collective of the run: the same job on every rank, or an error
-            agreement.check_job(cfg.to_dict(), cfg.dist, self.world, resume, resume_on_new_data)
+            agreement.check_job(cfg.to_dict(), cfg.dist, self.world, resume, resume_on_new_data,
+                                self.output_dir, overwrite)
         if self.output_dir and not resume:
             claim_output_dir(self.output_dir, overwrite, self.is_main)
         if self.output_dir and self.is_main:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SMALL, run_cli, train_args, train_steps
+from conftest import RECSTACK, SMALL, run_cli, train_args, train_steps, write_tiny_dataset
 
 from recstack.data.format import PreparedFormatError, SparseFeatureSpec
 from recstack.data.integrity import check_values, fingerprint
@@ -185,3 +188,35 @@ def test_recstack_eval_and_predict_refuse_bad_rows_they_would_score(tmp_path: Pa
         assert re.search(rf"error: {re.escape(str(bad / 'dense.bin'))}: row 500: dense feature 'I2': inf",
                          res.stderr.splitlines()[-1]), res.stderr[-2000:]
     assert not (tmp_path / "s.csv").exists()
+
+
+def test_a_file_cut_short_under_training_is_an_error_not_sigbus(tmp_path: Path) -> None:
+    """A prepared set's ``dense.bin`` truncated in place to half its size while ``recstack train``
+    reads it through memory maps (a later batch's rows would lie past the new end: SIGBUS): the run
+    stops with one line naming the file, exit 2. A file replaced by rename is not this case: the
+    maps keep the old one."""
+    data = write_tiny_dataset(tmp_path / "data")
+    run = tmp_path / "run"
+    args = train_args(run, data, [*SMALL, "train.epochs=20", "train.checkpoint_every=20",
+                                  "train.eval_every=0", "train.log_every=10"])
+    proc = subprocess.Popen([*RECSTACK, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    dense = data / "dense.bin"
+    try:
+        deadline = time.time() + 120
+        while proc.poll() is None and time.time() < deadline and not (
+                (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir())):
+            time.sleep(0.01)
+        assert proc.poll() is None, "training ended before the file could be cut"
+        with open(dense, "r+b") as f:
+            f.truncate(dense.stat().st_size // 2)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2, (proc.returncode, signal.Signals(-proc.returncode).name
+                                  if proc.returncode < 0 else "", err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    assert re.search(rf"recstack train: error: {re.escape(str(dense))}: \d+ bytes on disk, \d+ "
+                     "when it was opened: the file was cut short while in use", err), err[-2000:]

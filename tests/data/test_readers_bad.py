@@ -3,6 +3,8 @@ reports them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -283,3 +285,30 @@ def test_line_numbers_in_messages(tmp_path: Path) -> None:
     path.write_text('rating,age,user,item\n5,30,u1,3\n\n2,41,"u\n2",7\n4,x,u1,9\n')
     with pytest.raises(DataError, match=r"q\.csv:4: column 'age': not a number"):
         _prepare(tmp_path, path)
+
+
+@pytest.mark.parametrize("transform", ["none", "standardize"])
+def test_a_double_beyond_float32_is_a_bad_row_not_an_infinity(tmp_path: Path,
+                                                               transform: str) -> None:
+    """A Parquet double of 1e308 (finite, but no float32) in a dense column: ``recstack data
+    prepare`` stops naming file, row and column (it used to store -inf standardized, inf otherwise),
+    leaves no output, and with --skip-bad-rows drops that row; every stored value is finite."""
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"rating": [5.0, 2.0, 4.0, 1.0], "age": [30.0, 1e308, 41.0, -3.5e38],
+                             "user": ["u1", "u2", "u1", "u3"], "item": [3, 7, 9, 4]}), path)
+    schema = tmp_path / "s.toml"
+    schema.write_text(f'[source]\nformat = "parquet"\n[label]\ncolumn = "rating"\nthreshold = 4.0\n'
+                      f'[[dense]]\nname = "age"\ntransform = "{transform}"\n'
+                      '[[sparse]]\nname = "user"\n')
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "recstack", "data", "prepare", "--schema", str(schema), str(path),
+            "--out", str(out), "--no-progress"]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert (f"{path} row 2: column 'age': not a float32 (its magnitude is above 3.4e38, the "
+            "largest prepared data can hold) (got '1e+308')") in res.stderr, res.stderr
+    assert not out.exists() and not (tmp_path / "out.tmp").exists()
+    res = subprocess.run([*args, "--skip-bad-rows"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    dense = np.asarray(PreparedDataset(out).column("dense"))
+    assert dense.shape == (2, 1) and np.isfinite(dense).all()

@@ -171,6 +171,33 @@ def test_ranks_with_different_world_layouts_stop_at_start(tiny_dataset: Path, tm
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 
+def test_other_output_dirs_or_overwrite_stop_before_removing(tiny_dataset: Path,
+                                                             tmp_path: Path) -> None:
+    """``--output-dir run`` from two working directories (the same text, two directories: each rank
+    would hold part of every sharded checkpoint), and ``--overwrite`` on rank 0 alone over an
+    earlier run: every rank stops at start-up naming the difference, and the earlier run is still
+    whole (rank 0 used to remove it first)."""
+    earlier = tmp_path / "a" / "run"
+    (earlier / "checkpoints" / "step_000000002").mkdir(parents=True)
+    (earlier / "checkpoints" / "step_000000002" / "trainer.pt").write_bytes(b"an earlier one")
+    (earlier / "metrics.jsonl").write_text('{"step": 2}\n')
+    before = sorted(p.relative_to(earlier) for p in earlier.rglob("*"))
+    (tmp_path / "b").mkdir()
+    other = tmp_path / "b" / "run"
+    cases = [([tmp_path / "a", tmp_path / "b"], None,
+              f"--output-dir (resolved): rank 0 has '{earlier}', rank 1 has '{other}'"),
+             ([tmp_path / "a"] * 2, [["--overwrite"], []],
+              "--overwrite: rank 0 has True, rank 1 has False")]
+    common = [_common(str(tiny_dataset))] * 2
+    for cwds, flags, difference in cases:
+        errs = _finish(_start_ranks(common, Path("run"), cwds=cwds, flags=flags))
+        for e in errs:
+            assert f"disagree on their config and world layout: {difference}" in e, e[-2000:]
+            assert "Traceback" not in e, e[-2000:]
+        assert sorted(p.relative_to(earlier) for p in earlier.rglob("*")) == before
+        assert not (tmp_path / "b" / "run" / "checkpoints").exists()
+
+
 def test_first_difference_names_the_first_field_and_groups_the_ranks() -> None:
     from recstack.distributed.agreement import first_difference
 

@@ -4,6 +4,7 @@ that is killed leaves no DAS or task worker running on."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -113,3 +114,29 @@ def test_a_killed_task_worker_is_one_clear_error(tmp_path: Path) -> None:
     error = _kill_helper(tmp_path, "multiprocessing.spawn", TINY)
     assert "an ExFM task worker ended abruptly (killed by a signal" in error, error
     assert "fm/s0" in error and "rerun the same command to continue" in error, error
+
+
+def test_a_damaged_task_result_is_named_and_the_task_runs_again(tmp_path: Path) -> None:
+    """A task's ``result.json`` cut short (a full disk, a crash while an older recstack wrote it):
+    the rerun names the file, sets it aside and runs that task again (resuming from its last window
+    checkpoint), reusing the others; the report is the one of the first run. It used to stop every
+    rerun with a JSON error that named no file."""
+    cfg = tmp_path / "exfm.toml"
+    cfg.write_text(TINY.replace("rows = 3000", "rows = 2000"))
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "recstack", "exfm", "run", "--config", str(cfg), "--output-dir",
+            str(out), "--set", 'experiment.arms=["alone", "aux"]',
+            "--set", "experiment.verticals=[0]", "--set", "experiment.workers=1"]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    (result,) = [p for p in (out / "seed0" / "vm" / "v0").glob("*/result.json")
+                 if json.loads(p.read_text())["job"]["arm"] == "aux"]
+    result.write_text(result.read_text()[:100])
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-3000:]
+    assert f"exfm: {result}: damaged result (JSONDecodeError: " in again.stdout, again.stdout
+    assert "4 tasks (3 reused from an earlier run of the same config, 1 to run)" in again.stdout
+    assert result.with_name("result.json.damaged").is_file()
+    assert json.loads(result.read_text())["summary"]
+    assert json.loads((out / "results.json").read_text())["summary"] == summary

@@ -5,6 +5,7 @@ a refused resume leaves the run directory as it was. Checkpoints written before 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import struct
@@ -168,3 +169,53 @@ def test_sharded_resume_falls_back_and_stops_when_none_is_readable(sharded_run: 
     assert res.returncode != 0, res.stderr[-3000:]
     assert res.stderr.count(f"resume: none of the 3 checkpoints in {ckpts} is readable") == 2, res.stderr[-3000:]
     assert "starting from scratch" not in res.stdout and snapshot(run) == before
+
+
+# Early stopping on: evaluations at steps 2 and 4, the better one kept in best/, named in best.json.
+BEST = [*STEPS, "train.eval_every=2", 'train.early_stopping={metric="logloss", patience=5}']
+
+
+@pytest.fixture(scope="module")
+def best_run(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("best") / "run"
+    train_steps(tiny_dataset, run, BEST)
+    return run
+
+
+@pytest.mark.parametrize("damage", ["outside", "other step", "other content"])
+def test_a_best_json_that_names_another_checkpoint_is_refused(best_run: Path, tiny_dataset: Path,
+                                                              tmp_path: Path, damage: str) -> None:
+    """``best.json`` naming a checkpoint outside the run (another run's), one of another step than
+    it records, or a file under the right name that holds another step: ``eval``, ``predict`` and
+    ``export`` of the run refuse it with one line naming best.json, instead of using those weights
+    (nor does ``--resume``, through the same reader)."""
+    run = copy_run(best_run, tmp_path)
+    shutil.copytree(best_run, tmp_path / "other")
+    ckpts = run / "checkpoints"
+    best = json.loads((ckpts / "best.json").read_text())
+    kept = ckpts / best["checkpoint"]
+    step = best["step"]
+    if damage == "outside":
+        best["checkpoint"] = f"../../other/checkpoints/{best['checkpoint']}"
+        error = f"names {best['checkpoint']!r}, which lies outside the run's checkpoints ({ckpts})"
+    elif damage == "other step":
+        best["checkpoint"] = f"ckpt_{6 - step:09d}.pt"
+        error = (f"records step {step}, but names {best['checkpoint']!r}, a checkpoint of step "
+                 f"{6 - step}")
+    else:
+        kept.unlink()
+        shutil.copy(ckpts / f"ckpt_{6 - step:09d}.pt", kept)
+        error = f"records step {step}, but the checkpoint it names, {kept}, holds step {6 - step}"
+    (ckpts / "best.json").write_text(json.dumps(best))
+    # all three read a run's best checkpoint alike: each in one case
+    commands = [["eval", "--checkpoint", str(run)],
+                ["predict", "--checkpoint", str(run), "--data", str(tiny_dataset), "--out",
+                 str(tmp_path / "p.npy")],
+                ["export", "--checkpoint", str(run), "--out", str(tmp_path / "artifact")]]
+    for args in commands if damage == "outside" else commands[:1]:
+        res = run_cli(args, timeout=120)
+        assert res.returncode == 2, (args[0], res.stderr[-2000:])
+        assert "Traceback" not in res.stderr, res.stderr[-2000:]
+        want = f"recstack {args[0]}: error: {ckpts / 'best.json'}: {error}"
+        assert want in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "p.npy").exists() and not (tmp_path / "artifact").exists()

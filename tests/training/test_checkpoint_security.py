@@ -122,3 +122,52 @@ def test_crafted_exfm_snapshot_runs_nothing(tmp_path: Path) -> None:
         load_snapshot(tmp_path, 3)
     assert str(snapshot_file(tmp_path, 3)) in str(e.value)
     assert not marker.exists()
+
+
+def class_patching_pickle() -> bytes:
+    """A ``.metadata`` that, unpickled with BUILD allowed on any object, sets
+    ``pathlib.PosixPath.__fspath__`` (an allowed global) to ``torch.serialization._get_layout``
+    (another), so every later ``os.fspath`` of a path in the process raises KeyError; only then does
+    it reference ``posix.system``, which is refused."""
+    return (b"\x80\x04" + b"cpathlib\nPosixPath\n" + b"N}" + b"X\x0a\x00\x00\x00__fspath__"
+            + b"ctorch.serialization\n_get_layout\n" + b"s\x86b0" + b"cposix\nsystem\n"
+            + b"X\x04\x00\x00\x00true\x85R.")
+
+
+def test_metadata_patching_a_class_is_refused(sharded_run: Path, tmp_path: Path) -> None:
+    """The crafted ``.metadata`` in the newest checkpoint: ``recstack eval`` of it refuses it naming
+    the file (nothing set on the class: the error is the refusal, not a KeyError of a patched path),
+    and ``recstack eval`` of the run falls back to the older intact checkpoint and evaluates it."""
+    run = copy_run(sharded_run, tmp_path)
+    step_dir = run / "checkpoints" / "step_000000004"
+    (step_dir / ".metadata").write_bytes(class_patching_pickle())
+    forge_digests(step_dir)
+    res = run_cli(["eval", "--checkpoint", str(step_dir)])
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "KeyError" not in res.stderr, res.stderr[-3000:]
+    assert (f"{step_dir / '.metadata'}: refused as DCP checkpoint metadata (UnpicklingError: it "
+            "sets attributes of the class PosixPath, which DCP checkpoint metadata never does)"
+            ) in res.stderr, res.stderr[-3000:]
+    res = run_cli(["eval", "--checkpoint", str(run)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"skipping {step_dir}" in res.stderr and "KeyError" not in res.stderr, res.stderr[-3000:]
+    older = run / "checkpoints" / "step_000000002"
+    assert f"checkpoint: {older} (step 2)" in res.stderr, res.stderr[-2000:]
+
+
+def test_the_metadata_reader_sets_nothing_on_any_class(sharded_run: Path, tmp_path: Path) -> None:
+    """In this process: the crafted file is refused and ``PosixPath`` keeps its own ``__fspath__``;
+    a real checkpoint's ``.metadata`` (dataclasses built from their fields, TensorProperties from
+    its tuple) still reads."""
+    from recstack.training.checkpoint.integrity import read_dcp_metadata
+
+    file = tmp_path / ".metadata"
+    file.write_bytes(class_patching_pickle())
+    before = dict(vars(Path)), dict(vars(type(tmp_path)))
+    with pytest.raises(CheckpointError, match="sets attributes of the class PosixPath"):
+        read_dcp_metadata(file)
+    assert (dict(vars(Path)), dict(vars(type(tmp_path)))) == before
+    assert str(tmp_path / "x").endswith("/x") and Path(str(tmp_path)).exists()
+    real = read_dcp_metadata(sharded_run / "checkpoints" / "step_000000004" / ".metadata")
+    props = [m.properties for m in real.state_dict_metadata.values() if hasattr(m, "properties")]
+    assert props and all(p.memory_format == torch.contiguous_format for p in props)

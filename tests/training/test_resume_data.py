@@ -113,3 +113,21 @@ def test_a_resume_refused_for_another_reason_changes_nothing(tiny_dataset: Path,
             ckpt.write_bytes(ckpt.read_bytes()[:1000])
         _refused(train_args(run, tiny_dataset, STEPS, "--resume"), run, r"none of the 2 checkpoints .* is readable")
 
+
+
+@pytest.mark.parametrize(("option", "was", "now"),
+                         [("train.seed", 0, 5), ("train.shuffle_window", 1000, 500)])
+def test_an_order_option_changed_mid_epoch_is_refused(tiny_dataset: Path, tmp_path: Path,
+                                                      option: str, was: int, now: int) -> None:
+    """Stopped after 4 of an epoch's 282 shuffled batches, resumed with another ``train.seed`` or
+    ``train.shuffle_window``: the rest of the epoch would come from another permutation (rows
+    trained twice or never), so it is refused, like a ``train.shuffle`` change, naming the option
+    and both values; nothing of the run changes."""
+    window = [*STEPS, 'train.shuffle="window"', "train.shuffle_window=1000"]
+    run = tmp_path / "run"
+    _train(run, tiny_dataset, window)
+    more = [*window, "train.max_steps=6", f"{option}={now}"]
+    _refused(train_args(run, tiny_dataset, more, "--resume"), run,
+             rf"{option} changed from {was} to {now} in the middle of epoch 0 \(256 rows done\): "
+             rf"the rows still due are unknown. Resume with {option} = {was}, or change it at an "
+             "epoch boundary")

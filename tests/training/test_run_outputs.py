@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SMALL, set_options, train_steps
+from conftest import SMALL, run_cli, set_options, train_args, train_steps
 
 from recstack.cli.main import main
 from recstack.data.format import SparseFeatureSpec
@@ -77,3 +77,18 @@ def test_a_table_too_large_for_memory_is_an_error_before_allocating(tmp_path: Pa
     assert main(["train", *set_options(options)]) == 2
     err = capsys.readouterr().err  # 10^13 rows x (8 float32 + a row-wise Adagrad accumulator): 3.6e14 bytes
     assert "table 'huge': 10,000,000,000,000 rows x 8 need 327.4 TiB" in err and "of memory on cpu" in err, err
+
+
+def test_a_thread_count_past_the_bound_is_an_error_not_a_crash(tiny_dataset: Path,
+                                                               tmp_path: Path) -> None:
+    """``train.threads=100000`` (torch's pool dies by SIGSEGV starting that many) and ``serve
+    --threads``: one line naming the option and the bound, exit 2, before anything is written."""
+    args = train_args(tmp_path / "run", tiny_dataset, [*SMALL, "train.threads=100000"])
+    res = run_cli(args, timeout=120)
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    want = "recstack train: error: train.threads: must be <= 1024, got 100000"
+    assert want in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+    res = run_cli(["serve", str(tmp_path / "none"), "--threads", "100000"], timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "argument --threads: must be at most 1024, got 100000" in res.stderr, res.stderr

@@ -30,6 +30,11 @@ from recstack.data.prepare.columns import (
 from recstack.data.prepare.readers.base import BadRow, BadRowLog, DataError, RawChunk, report_in_order
 from recstack.data.prepare.schema import RESERVED_ROWS, Schema, SchemaError, SparseSpec
 
+# Prepared data stores float32: a larger magnitude (Parquet's doubles, "1e308" in a CSV) would
+# become inf there.
+F32_MAX = float(np.finfo(np.float32).max)
+F32_RANGE = "not a float32 (its magnitude is above 3.4e38, the largest prepared data can hold)"
+
 MISSING, OOV = 0, 1
 
 
@@ -126,6 +131,7 @@ def parse_chunk(chunk: RawChunk, schema: Schema, log: BadRowLog) -> ParsedChunk:
         vals, bad = to_numbers(_check_type(chunk, d.column, "number"))
         probs.add(bad, d.column, "not a number")
         probs.add(np.isinf(vals), d.column, "not a finite number")
+        probs.add(np.abs(vals) > F32_MAX, d.column, F32_RANGE)  # else inf (-inf standardized)
         dense[:, j] = vals
 
     bags = [_parse_sparse(chunk, s, probs) for s in schema.sparse]
@@ -202,11 +208,11 @@ def _weights(chunk: RawChunk, s: SparseSpec, arr: pa.Array, probs: Problems) -> 
     lv = pc.fill_null(pc.list_value_length(values), 0).to_numpy(zero_copy_only=False).astype(np.int64)
     lw = pc.fill_null(pc.list_value_length(w), 0).to_numpy(zero_copy_only=False).astype(np.int64)
     nums, bad = to_numbers(pc.list_flatten(w))
-    bad |= ~np.isfinite(nums)
+    bad |= ~np.isfinite(nums) | (np.abs(nums) > F32_MAX)
     rows_w = pc.list_parent_indices(w).to_numpy(zero_copy_only=False)
     bad_row = np.bincount(rows_w[bad], minlength=len(lv)) > 0
     probs.add(lv != lw, s.weight_column, f"has a different number of values than {s.column!r}")
-    probs.add(bad_row & (lv == lw), s.weight_column, "weight is not a finite number")
+    probs.add(bad_row & (lv == lw), s.weight_column, "weight is not a finite number")  # in float32
     out = np.ones(int(lv.sum()), np.float32)  # rows that do not match keep 1.0 (they are dropped or raised)
     ok = np.repeat(lv == lw, lw)
     start_v, start_w = np.cumsum(lv) - lv, np.cumsum(lw) - lw

@@ -168,7 +168,8 @@ class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
             if placements[i].tier == "host-cached":
                 store: RowStore = HostStore(t.num_embeddings, self.width, pin_memory=self.device.type == "cuda")
             else:
-                store = SSDStore(t.num_embeddings, self.width, Path(ssd_dir))  # type: ignore[arg-type]
+                directory = Path(ssd_dir)  # type: ignore[arg-type]
+                store = SSDStore(t.num_embeddings, self.width, directory, name=t.name)
             if init is None:
                 store.fill(init_chunks(t, seed, i, self.width, acc_init, CHUNK_ROWS))
             elif isinstance(store, HostStore):  # straight into the store's records

@@ -33,7 +33,7 @@ from typing import BinaryIO
 import torch
 
 from recstack.embedding.collection import TableConfig, init_row_chunks
-from recstack.io import open_synced
+from recstack.io import open_synced, writing
 
 CHUNK_BYTES = 64 << 20  # streaming granularity for init, save and load
 PARALLEL_READ_MIN_RUNS = 256  # reads of fewer runs of records per thread stay on the calling thread
@@ -167,17 +167,26 @@ class HostStore(RowStore):
 class SSDStore(RowStore):
     """Records in an unlinked, log-structured file under ``directory`` (see the module doc).
 
-    ``location`` [N] is the record index of each row's newest copy in the file; records ``[N, end)`` are the
-    appended ones. ``compact_ratio``: rewrite the file once ``end - N`` exceeds this many tables. Large reads are
-    split over ``io_threads`` threads (0 = one per CPU, at most 8).
+    ``location`` [N] is the record index of each row's newest copy in the file; records ``[N, end)``
+    are the appended ones. ``compact_ratio``: rewrite the file once ``end - N`` exceeds this many
+    tables. Large reads are split over ``io_threads`` threads (0 = one per CPU, at most 8).
+    ``name``: the table's, for error messages.
+
+    Each new file has the table's bytes allocated at once (``posix_fallocate``), so a disk without
+    room for the table stops the store where it is made; a write that the disk cannot take later
+    (the appended records grow the file) is a DiskError naming the directory and the table, like any
+    other disk fault.
     """
 
     def __init__(
-        self, num_rows: int, width: int, directory: str | Path, compact_ratio: float = 1.0, io_threads: int = 0
+        self, num_rows: int, width: int, directory: str | Path, compact_ratio: float = 1.0,
+        io_threads: int = 0, name: str = "",
     ) -> None:
         super().__init__(num_rows, width)
         self.io_threads = io_threads or min(8, os.cpu_count() or 1)
         self.directory = Path(directory)
+        table = f" (the file of ssd-cached table {name!r})" if name else ""
+        self.where = f"{self.directory}{table}"  # what a disk fault names
         self.directory.mkdir(parents=True, exist_ok=True)
         self.compact_ratio = compact_ratio
         self.compactions = 0
@@ -197,7 +206,16 @@ class SSDStore(RowStore):
         return self._file.fileno()
 
     def _new_file(self) -> BinaryIO:
-        return tempfile.TemporaryFile(dir=self.directory, prefix="recstack-table-")
+        """An unlinked file with the table's bytes allocated."""
+        with writing(self.where):
+            f = tempfile.TemporaryFile(dir=self.directory, prefix="recstack-table-")
+            try:
+                if self.nbytes:
+                    os.posix_fallocate(f.fileno(), 0, self.nbytes)
+            except BaseException:
+                f.close()
+                raise
+        return f
 
     def _reset(self, new_file: BinaryIO) -> None:
         """Make ``new_file`` (holding the table in row order) the store's file."""
@@ -234,7 +252,8 @@ class SSDStore(RowStore):
         n = ids.numel()
         if n == 0:
             return
-        _pwrite_all(self._fd, records.contiguous().numpy().data.cast("B"), self.end * self.rb)
+        with writing(self.where):
+            _pwrite_all(self._fd, records.contiguous().numpy().data.cast("B"), self.end * self.rb)
         self.location[ids] = torch.arange(self.end, self.end + n, dtype=self._loc_dtype)
         self.end += n
         if self.end - self.num_rows > self.compact_ratio * self.num_rows:
@@ -250,18 +269,20 @@ class SSDStore(RowStore):
         """Rewrite the file in row order, dropping the superseded records (sequential I/O)."""
         new = self._new_file()
         off = 0
-        for c in self._chunks():
-            _pwrite_all(new.fileno(), c.numpy().data.cast("B"), off)
-            off += c.numel() * 4
+        with writing(self.where):
+            for c in self._chunks():
+                _pwrite_all(new.fileno(), c.numpy().data.cast("B"), off)
+                off += c.numel() * 4
         self._reset(new)
         self.compactions += 1
 
     def fill(self, chunks: Iterator[torch.Tensor]) -> None:
         off = 0
-        for c in chunks:
-            buf = c.contiguous().numpy().data.cast("B")
-            _pwrite_all(self._fd, buf, off)
-            off += len(buf)
+        with writing(self.where):
+            for c in chunks:
+                buf = c.contiguous().numpy().data.cast("B")
+                _pwrite_all(self._fd, buf, off)
+                off += len(buf)
         self.location = torch.arange(self.num_rows, dtype=self._loc_dtype)
         self.end = self.num_rows
 

@@ -179,7 +179,12 @@ class Checkpointer:
             ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
             best = None if last else read_best(ckpt_dir)
             if best is not None:
-                return Checkpointer.read(ckpt_dir / best["checkpoint"], device)
+                kept = Checkpointer.read(ckpt_dir / best["checkpoint"], device)
+                if kept.get("step") != best["step"]:
+                    raise CheckpointError(
+                        f"{ckpt_dir / BEST_FILE}: records step {best['step']}, but the checkpoint "
+                        f"it names, {kept['path']}, holds step {kept.get('step')}")
+                return kept
             state = latest_checkpoint(ckpt_dir, device)  # the newest valid one of one process, else of torchrun
             if state is not None:
                 return state
@@ -216,9 +221,36 @@ def any_checkpoint(ckpt_dir: Path) -> bool:
 
 
 def read_best(ckpt_dir: Path) -> dict[str, Any] | None:
-    """``best.json`` of a checkpoints directory: {"step", "checkpoint", "metrics"}; None when there is none."""
+    """``best.json`` of a checkpoints directory: {"step", "checkpoint", "metrics"}; None when there
+    is none. Checked, as any file of a checkpoint: the checkpoint it names lies inside ``ckpt_dir``
+    (after symbolic links) and is named for the step it records (``read`` checks the step inside it
+    too); else a CheckpointError naming best.json, so that eval, predict, export and --resume never
+    take another run's or another step's weights."""
     path = ckpt_dir / BEST_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
+    fields = record if isinstance(record, dict) else {}
+    step, name = fields.get("step"), fields.get("checkpoint")
+    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(name, str):
+        raise CheckpointError(f"{path}: expected an object with an integer \"step\" and a "
+                              "\"checkpoint\" path")
+    target = ckpt_dir / name
+    if Path(name).is_absolute() or ".." in Path(name).parts or \
+            not target.resolve().is_relative_to(ckpt_dir.resolve()):
+        raise CheckpointError(f"{path}: names {name!r}, which lies outside the run's checkpoints "
+                              f"({ckpt_dir})")
+    try:
+        named: int | None = _step_of(target)
+    except ValueError:
+        named = None
+    if named != step:
+        what = ", not a checkpoint" if named is None else f", a checkpoint of step {named}"
+        raise CheckpointError(f"{path}: records step {step}, but names {name!r}{what}")
+    return record
 
 
 def _link(src: Path, dst: Path) -> None:

@@ -14,14 +14,16 @@ Every refusal is a :class:`CheckpointError` naming the file.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import pathlib
 import pickle
+import struct
 import sys
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -50,7 +52,24 @@ _METADATA_GLOBALS.update({
 })
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+# The classes whose instances a ``.metadata`` file fills in (pickle's BUILD): DCP's dataclasses,
+# each from a dict of its own fields, and TensorProperties from its own ``__setstate__`` tuple.
+# Nothing else is ever built.
+_BUILT_FROM_FIELDS = (dcp_md.Metadata, dcp_md.StorageMeta, dcp_md.TensorStorageMetadata,
+                      dcp_md.ChunkStorageMetadata, dcp_md.MetadataIndex, dcp_fs._StorageInfo)
+_PLAIN = (str, int, float, bool, type(None), bytes, torch.dtype, torch.layout,
+          dcp_md._MEM_FORMAT_ENCODING)
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """Python's own unpickler (its opcodes are methods, so BUILD can be replaced; the C one runs
+    BUILD itself) that constructs only the listed globals and builds only instances of the DCP
+    classes above. A crafted BUILD would otherwise set any attribute of any object it can reach,
+    classes included: one that replaced ``pathlib.PosixPath.__fspath__`` changed every path of the
+    process before the file was refused."""
+
+    stack: list[Any]  # the unpickler's own, set by ``load``
+
     def find_class(self, module: str, name: str) -> Any:
         found = _METADATA_GLOBALS.get((module, name))
         if found is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -59,6 +78,27 @@ class _MetadataUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"it references {module}.{name}, which DCP checkpoint metadata never holds")
         return found
 
+    def load_build(self) -> None:
+        state, inst = self.stack.pop(), self.stack[-1]
+        kind = type(inst)
+        if kind is dcp_md.TensorProperties and isinstance(state, tuple) and len(state) == 5 \
+                and all(isinstance(v, _PLAIN) for v in state):
+            inst.__setstate__(state)
+            return
+        if kind in _BUILT_FROM_FIELDS and isinstance(state, dict):
+            fields = {f.name for f in dataclasses.fields(kind)}
+            unknown = [k for k in state if not isinstance(k, str) or k not in fields]
+            if not unknown:
+                inst.__dict__.update(state)  # what pickle does for a dataclass, no __setstate__
+                return
+            raise pickle.UnpicklingError(f"it sets {unknown[0]!r} on a {kind.__name__}, which has "
+                                         "no such field")
+        what = f"the class {inst.__name__}" if isinstance(inst, type) else f"a {kind.__name__}"
+        raise pickle.UnpicklingError(f"it sets attributes of {what}, which DCP checkpoint metadata "
+                                     "never does")
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: cast(Any, load_build)}
+
 
 def read_dcp_metadata(file: Path) -> dcp_md.Metadata:
     """A DCP ``.metadata`` file through the restricted unpickler -> the metadata; CheckpointError naming the
@@ -66,7 +106,8 @@ def read_dcp_metadata(file: Path) -> dcp_md.Metadata:
     try:
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError) as e:
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError,
+            KeyError, OverflowError, struct.error) as e:
         raise CheckpointError(f"{file}: refused as DCP checkpoint metadata ({type(e).__name__}: {e})") from e
     except OSError as e:
         raise CheckpointError(f"{file}: unreadable ({e})") from e

@@ -74,14 +74,28 @@ def rebatched_position(state: dict[str, Any], loader: BatchLoader, shuffle: bool
                        ) -> LoaderPosition:
     """The checkpoint's data position in ``loader``'s global batches (train.batch_size x processes), which may
     differ from the ones the checkpoint was written with: the next batch starts at the next row of the epoch's
-    sequence. A change of ``train.shuffle`` mid-epoch is refused (the rows still due are another set)."""
+    sequence. A change mid-epoch of an option that defines the epoch's order (``train.shuffle``,
+    and the ``train.seed`` of a shuffle, the ``train.shuffle_window`` of the window shuffle) is
+    refused: the rows still due would come from another permutation, some trained twice and others
+    never."""
     saved, old, was_mode = saved_position(state, loader.end - loader.start)
     new, mode = loader.global_batch_size, shuffle_mode(shuffle)
     where = state.get("path", "the checkpoint")
-    if saved.row and was_mode != mode:
-        raise ConfigError(f"resume: {where}: train.shuffle changed from {was_mode!r} to {mode!r} in the middle of "
-                          f"epoch {saved.epoch} ({saved.row} rows done): the rows still due are unknown. Resume with "
-                          f"train.shuffle = {was_mode!r}, or change it at an epoch boundary")
+    if saved.row:
+        pos, train = state["position"], state.get("config", {}).get("train", {})
+        # (option, checkpoint's value, this run's); older checkpoints: the values of their config
+        order: list[tuple[str, Any, Any]] = [("train.shuffle", was_mode, mode)]
+        if mode != "none":
+            order.append(("train.seed", pos.get("seed", train.get("seed")), loader.seed))
+        if mode == "window":
+            window = pos.get("shuffle_window", train.get("shuffle_window"))
+            order.append(("train.shuffle_window", window, loader.shuffle_window))
+        for name, was, now in order:
+            if was != now:
+                raise ConfigError(
+                    f"resume: {where}: {name} changed from {was!r} to {now!r} in the middle of "
+                    f"epoch {saved.epoch} ({saved.row} rows done): the rows still due are unknown. "
+                    f"Resume with {name} = {was!r}, or change it at an epoch boundary")
     try:
         moved = loader.normalised(saved.rebatched(old, new, mode))
     except ValueError as e:

@@ -120,7 +120,8 @@ class LoaderState:
     def state_dict(self) -> dict[str, Any]:
         pos = self.loader.position
         return {"position": {"epoch": pos.epoch, "row": pos.row, "global_batch_size": self.loader.global_batch_size,
-                             "shuffle": self.loader.shuffle}}
+                             "shuffle": self.loader.shuffle, "seed": self.loader.seed,
+                             "shuffle_window": self.loader.shuffle_window}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.position = rebatched_position(state, self.loader, self.shuffle, self.announce)
