@@ -59,8 +59,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "event loop needs a core; scale with --workers)")
     s.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:N")
     s.add_argument("--max-batch", type=positive_int, default=2048, help="rows per model call at most (default 2048)")
-    s.add_argument("--max-wait-us", type=int, default=500,
-                   help="how long a batch waits for more requests, microseconds (default 500)")
+    s.add_argument("--max-wait-us", type=int, default=0,
+                   help="how long a batch may wait for requests already received but still being read, "
+                        "microseconds (default 0: never; a request alone is scored at once in any case)")
     s.add_argument("--max-rows", type=positive_int, help="rows (or candidates) per request at most "
                                                         "(default --max-batch)")
     s.add_argument("--max-body-bytes", type=positive_int, default=4 << 20,

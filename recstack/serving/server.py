@@ -52,7 +52,7 @@ class ServeOptions:
     model_dir: str
     device: str = "cpu"
     max_batch: int = 2048
-    max_wait_us: int = 500
+    max_wait_us: int = 0
     max_rows: int = 2048
     max_body_bytes: int = 4 << 20
     watch: str | None = None
@@ -156,7 +156,6 @@ class ScoringService:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
-        self.batcher.start()
         if self.holder.current is None and self.opts.model_dir:
             # Before uvicorn accepts: under --workers N no worker takes a connection before it has a model.
             if not await self.holder.load(Path(self.opts.model_dir)):  # stays up, not ready; --watch may bring one
@@ -205,14 +204,15 @@ class ScoringService:
         model = self.holder.current  # read once: this request is encoded and scored by this version
         if model is None:
             raise BadRequest(503, "model", "no model loaded yet")
-        req = parse_request(await _read_body(request, self.opts.max_body_bytes), self.opts.max_rows)
-        try:
-            if req.shared is None:
-                batch = model.encode(req.rows, ids=req.encoded)
-            else:
-                batch = model.encode_candidates(req.shared, req.rows, ids=req.encoded)
-        except RequestError as e:
-            raise BadRequest(400, _field(e, req), str(e)) from None
+        with self.batcher.arriving():  # meanwhile no other request is alone
+            req = parse_request(await _read_body(request, self.opts.max_body_bytes), self.opts.max_rows)
+            try:
+                if req.shared is None:
+                    batch = model.encode(req.rows, ids=req.encoded)
+                else:
+                    batch = model.encode_candidates(req.shared, req.rows, ids=req.encoded)
+            except RequestError as e:
+                raise BadRequest(400, _field(e, req), str(e)) from None
         self.metrics.observe_oov(batch.oov_counts)
         logits, prob = await self.batcher.score(model, batch, batch.size)
         out: dict[str, Any] = {"scores": prob.tolist(), "model_version": model.version}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = """
@@ -155,3 +156,9 @@ def running(args: list[str], log: Path) -> Iterator[ServerProcess]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One build_artifacts for every test module that imports this fixture and only reads the artifacts."""
+    return build_artifacts(tmp_path_factory.mktemp("shared_artifacts"))

@@ -3,8 +3,10 @@ corrupted version refused), graceful shutdown on SIGTERM with requests in flight
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -83,21 +85,44 @@ def test_hot_swap_under_load(artifacts, tmp_path: Path) -> None:
     np.testing.assert_allclose(final["scores"], offline_scores(models / "2", ROWS), rtol=0, atol=1e-6)
 
 
-def test_sigterm_finishes_requests_in_flight_and_exits_0(artifacts, tmp_path: Path) -> None:
-    # A batching window of 2 s: the requests are surely still waiting in the batcher when SIGTERM comes.
-    with running([str(artifacts["models"]), "--max-wait-us", "2000000"], tmp_path / "log") as s:
-        with ThreadPoolExecutor(6) as pool:
-            def one(i: int) -> httpx.Response:
-                with httpx.Client(base_url=s.url, timeout=30) as c:
-                    return c.post("/v1/score", json={"rows": ROWS[i:i + 1]})
+def send_head(port: int, body: bytes) -> socket.socket:
+    """A connection on which a scoring request's headers and the first half of its body have been sent."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body[:len(body) // 2])
+    return sock
 
-            futures = [pool.submit(one, i) for i in range(6)]
-            wait_for(lambda: s.metric("recstack_requests_in_flight") == 6, 30, "6 requests in flight")
-            s.proc.send_signal(signal.SIGTERM)
-            answers = [f.result() for f in futures]
-        assert [r.status_code for r in answers] == [200] * 6
+
+def answer_of(sock: socket.socket) -> tuple[int, dict]:
+    """Read one HTTP response (the server closes the connection after it, or it has a Content-Length)."""
+    data = b""
+    while True:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        if sep:
+            length = [int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")]
+            if length and len(rest) >= length[0]:
+                return int(head.split(b" ")[1]), json.loads(rest[:length[0]])
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise AssertionError(f"connection closed after {data!r:.300}")
+        data += chunk
+
+
+def test_sigterm_finishes_requests_in_flight_and_exits_0(artifacts, tmp_path: Path) -> None:
+    with running([str(artifacts["models"])], tmp_path / "log") as s:
+        bodies = [json.dumps({"rows": ROWS[i:i + 1]}).encode() for i in range(6)]
+        socks = [send_head(s.port, b) for b in bodies]  # six requests received, their bodies half read
+        wait_for(lambda: s.metric("recstack_requests_in_flight") == 6, 30, "6 requests in flight")
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        for sock, body in zip(socks, bodies, strict=True):
+            sock.sendall(body[len(body) // 2:])
+        answers = [answer_of(sock) for sock in socks]
+        for sock in socks:
+            sock.close()
+        assert [status for status, _ in answers] == [200] * 6
         expect = offline_scores(artifacts["models"] / "1", ROWS[:6])
-        np.testing.assert_allclose([r.json()["scores"][0] for r in answers], expect, rtol=0, atol=1e-6)
+        np.testing.assert_allclose([a["scores"][0] for _, a in answers], expect, rtol=0, atol=1e-6)
         assert s.proc.wait(60) == 0, s.output()
 
 
