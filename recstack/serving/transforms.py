@@ -158,7 +158,45 @@ class FeatureTransforms:
     # ---------------------------------------------------------------------------------------- encoded
     def encode_ids(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
         """Encoded rows: dense names -> numbers, sparse names -> an id, a list of ids (multi-hot), or for a
-        weighted feature {"ids": [...], "weights": [...]}. -> (dense float32 [B, d], bags, OOV counts)."""
+        weighted feature {"ids": [...], "weights": [...]}. -> (dense float32 [B, d], bags, OOV counts).
+        The common form (numbers and one id a feature) is checked and converted a column at a time; anything
+        else, or any value that fails those checks, goes through ``encode_ids_each`` (which names it)."""
+        what = "encoded dense values and sparse ids: " + ", ".join(self.id_fields)
+        self._check_keys(rows, self.id_fields, what, finite_check=False)
+        fast = self._ids_by_column(rows)
+        return fast if fast is not None else self.encode_ids_each(rows)
+
+    def _ids_by_column(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]] | None:
+        """Vectorised ``encode_ids`` of rows whose values are all of the common form and in range; None when
+        any is not."""
+        if any(f["multi_hot"] or f["weighted"] for f in self.features):
+            return None
+        n = len(rows)
+        dense = np.empty((n, len(self.dense_names)), np.float64)
+        try:
+            for j, name in enumerate(self.dense_names):
+                col = [r[name] for r in rows]
+                if not all(type(v) is float or type(v) is int for v in col):  # noqa: E721 (no bool)
+                    return None
+                dense[:, j] = col
+            if not (np.abs(dense) <= _F32_MAX).all():  # NaN fails this too
+                return None
+            bags: Bags = []
+            ones = np.ones(n, np.int64)
+            for spec in self.features:
+                col = [r[spec["name"]] for r in rows]
+                if not all(type(v) is int for v in col):  # noqa: E721
+                    return None
+                ids = np.array(col, np.int64)
+                if ((ids < 0) | (ids >= spec["rows"])).any():
+                    return None
+                bags.append((ones, ids, None))
+        except OverflowError:  # an integer past int64 / float64
+            return None
+        return dense.astype(np.float32), bags, {}
+
+    def encode_ids_each(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
+        """``encode_ids`` value by value, naming the first bad one (RequestError)."""
         self._check_keys(rows, self.id_fields, "encoded dense values and sparse ids: " + ", ".join(self.id_fields))
         dense = np.zeros((len(rows), len(self.dense_names)), np.float32)
         for j, name in enumerate(self.dense_names):

@@ -69,3 +69,23 @@ def test_requests_arriving_while_the_model_is_busy_share_a_call(shared_artifacts
     samples = {s.name: s.value for s in metrics.batch_requests.collect()[0].samples}
     assert samples["recstack_batch_requests_sum"] == 12
     assert samples["recstack_batch_requests_count"] < 12  # fewer model calls than requests
+
+
+def test_the_vectorised_id_encoder_equals_the_value_by_value_one(shared_artifacts) -> None:  # noqa: F811
+    model = ServingModel.load(shared_artifacts["models"] / "1")
+    t = model.transforms
+    b = model.encode(ROWS)
+    ids = b.sparse.ids.view(len(model.feature_names), len(ROWS))
+    dense_names = model.manifest["model"]["dense_features"]
+    rows = [{**{n: float(b.dense[i, j]) for j, n in enumerate(dense_names)},
+             **{n: int(ids[f, i]) for f, n in enumerate(model.feature_names)}} for i in range(len(ROWS))]
+    rows[3]["I2"] = 7  # an integer for a dense value
+    fast = t._ids_by_column(rows)
+    assert fast is not None
+    slow = t.encode_ids_each(rows)
+    np.testing.assert_array_equal(fast[0], slow[0])
+    for (fl, fi, _), (sl, si, _) in zip(fast[1], slow[1], strict=True):
+        np.testing.assert_array_equal(fl, sl)
+        np.testing.assert_array_equal(fi, si)
+    for bad in ({"C1": -1}, {"C2": 10**30}, {"I1": 1e300}, {"I3": True}, {"C4": 1.0}):
+        assert t._ids_by_column([rows[0], {**rows[1], **bad}]) is None  # left to the value-by-value checks

@@ -72,7 +72,7 @@ def test_bad_infer_requests_are_4xx_naming_the_input(server, client, columns) ->
     def infer(cols: dict[str, np.ndarray]) -> None:
         inputs = []
         for name, a in cols.items():
-            t = triton.InferInput(name, list(a.shape), "FP32" if a.dtype.kind == "f" else "INT64")
+            t = triton.InferInput(name, list(a.shape), np_to_triton_dtype(a.dtype))
             t.set_data_from_numpy(a)
             inputs.append(t)
         client.infer("ctr", inputs)
