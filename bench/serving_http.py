@@ -143,8 +143,9 @@ def wrk(port: int, payload: bytes, connections: int, duration_s: float, tmp: Pat
     script = tmp / "post.lua"
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                       f"wrk.body = {json.dumps(payload.decode())}\n")
-    out = subprocess.run([WRK, "-t1", f"-c{connections}", f"-d{max(1, round(duration_s))}s", "--latency", "-s", str(script),
-                          f"http://127.0.0.1:{port}/v1/score"], capture_output=True, text=True, timeout=600).stdout
+    cmd = [WRK, "-t1", f"-c{connections}", f"-d{max(1, round(duration_s))}s", "--latency", "-s", str(script),
+           f"http://127.0.0.1:{port}/v1/score"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
     rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
     lat = dict(re.findall(r"^\s+(50|99)%\s+(\S+)", out, re.M))
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
