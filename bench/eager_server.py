@@ -1,6 +1,7 @@
-"""The server a user would write in 60 lines, the baseline of ``bench/serving_http.py``: starlette + the
-trained checkpoint through ``recstack.training.inference.load_model``, eager PyTorch per request (no batching,
-no validation), raw Criteo rows (hashed categoricals, log1p dense) or encoded ids, as ``/v1/score`` takes them.
+"""The server a user would write in 60 lines, the baseline of ``bench/serving_http.py``: starlette +
+the trained checkpoint through ``recstack.training.inference.load_model``, eager PyTorch per request
+(no batching, no validation), raw Criteo rows (hashed categoricals, log1p dense) or encoded ids, as
+``/v1/score`` takes them.
 
     python bench/eager_server.py RUN_DIR MAX_IND_RANGE PORT
 """
@@ -40,9 +41,12 @@ def main() -> None:
             dense = torch.tensor([[r[k] for k in DENSE] for r in rows], dtype=torch.float32)
             ids = torch.tensor([[r[k] for k in SPARSE] for r in rows], dtype=torch.int64)
         else:
-            dense = torch.tensor([[math.log1p(max(r[k] or 0, 0)) for k in DENSE] for r in rows],
-                                 dtype=torch.float32)
-            ids = torch.tensor([[int(r[k], 16) % max_ind_range if r[k] else 0 for k in SPARSE] for r in rows])
+            dense = torch.tensor(
+                [[math.log1p(max(r[k] or 0, 0)) for k in DENSE] for r in rows], dtype=torch.float32
+            )
+            ids = torch.tensor(
+                [[int(r[k], 16) % max_ind_range if r[k] else 0 for k in SPARSE] for r in rows]
+            )
         with torch.inference_mode():
             logits = model(Batch(dense, SparseFeatures.from_dense_ids(ids), torch.zeros(len(rows))))
         return JSONResponse({"scores": torch.sigmoid(logits).tolist()})

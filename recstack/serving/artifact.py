@@ -133,12 +133,13 @@ def read_array(root: Path, manifest: dict[str, Any], rel: str, verify: bool = Tr
         with open(f, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             buf = np.empty(size, np.uint8)
-            got = fh.readinto(memoryview(buf))
+            got = fh.readinto(buf.data)
     except OSError as e:
         raise ArtifactError(f"{f}: unreadable ({e})") from e
     if got != size or size != entry["bytes"]:
-        raise ArtifactError(f"{f}: {got} bytes read, the manifest says {entry['bytes']} (truncated or replaced)")
-    if verify and hashlib.sha256(buf).hexdigest() != entry["sha256"]:
+        raise ArtifactError(f"{f}: {got} bytes read, the manifest says {entry['bytes']} (truncated or "
+                            "replaced)")
+    if verify and hashlib.sha256(buf.data).hexdigest() != entry["sha256"]:
         raise ArtifactError(f"{f}: checksum mismatch (the file was changed after export)")
     try:  # the array is a view of the checked bytes after the header (which .npy pads to 64 bytes)
         head = io.BytesIO(buf[:min(size, 1 << 16)].tobytes())

@@ -1,22 +1,23 @@
-"""Adaptive batching: a request that arrives alone is scored at once; requests that arrive while the model is
-busy share its next call, and each gets its own slice back.
+"""Adaptive batching: a request that arrives alone is scored at once; requests that arrive while the
+model is busy share its next call, and each gets its own slice back.
 
-Every request is validated and encoded on its own before it reaches the batcher (so a bad request fails alone
-and never joins a batch). Then:
+Every request is validated and encoded on its own before it reaches the batcher (so a bad request
+fails alone and never joins a batch). Then:
 
-* **alone** (the model is idle, nothing is queued and no other request is being read or encoded): the model
-  runs right away in the event loop's own thread. No timer, no thread hand-off: the cost of a lone request is
-  the model call.
-* **under load**: the request is queued. Whenever the model is idle and something is queued, everything queued
-  (up to ``max_batch`` rows) goes to the model thread as one call (torch releases the GIL, so the event loop
-  keeps reading and encoding requests meanwhile; those queue up and form the next call as soon as this one
-  returns). The batch size thus follows the load with no waiting: one request at a time when requests are
-  sparse, large batches when they pile up.
+* **alone** (the model is idle, nothing is queued and no other request is being read or encoded):
+  the model runs right away in the event loop's own thread. No timer, no thread hand-off: the cost
+  of a lone request is the model call.
+* **under load**: the request is queued. Whenever the model is idle and something is queued,
+  everything queued (up to ``max_batch`` rows) goes to the model thread as one call (torch releases
+  the GIL, so the event loop keeps reading and encoding requests meanwhile; those queue up and form
+  the next call as soon as this one returns). The batch size thus follows the load with no waiting:
+  one request at a time when requests are sparse, large batches when they pile up.
 * ``max_wait_us`` > 0 (off by default) lets a batch wait up to that long for requests that have been
   received but are still being read or encoded; it never delays a request that is alone.
 
-A batch holds requests encoded by one model only: after a hot swap the requests already encoded by the old
-version are still scored by it, so the switch falls between batches and no request sees two versions.
+A batch holds requests encoded by one model only: after a hot swap the requests already encoded by
+the old version are still scored by it, so the switch falls between batches and no request sees two
+versions.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def _score(model: ServingModel, batches: list[EncodedBatch]) -> Scores:
 
 
 class Batcher:
-    """Scores encoded requests, alone or batched (see the module docstring). Used from one event loop;
-    ``await stop()`` at shutdown (after the server has answered its in-flight requests)."""
+    """Scores encoded requests, alone or batched (see the module docstring). Used from one event
+    loop; ``await stop()`` at shutdown (after the server has answered its in-flight requests)."""
 
     def __init__(self, max_batch: int, max_wait_us: int, metrics: ServerMetrics) -> None:
         self.max_batch = max_batch
@@ -64,13 +65,13 @@ class Batcher:
         self._busy = False  # a model call is running (inline or in the model thread)
         self._arriving = 0  # requests received and still being read or encoded
         self._timer: asyncio.TimerHandle | None = None
-        # One thread: the model runs one batch at a time (its own torch threads parallelise inside a call).
+        # One thread: one batch at a time (its torch threads parallelise inside a call).
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="recstack-model")
 
     @contextlib.contextmanager
     def arriving(self) -> Iterator[None]:
-        """Wrap the reading and encoding of a request: while it lasts, another request is not alone (and,
-        with ``max_wait_us``, a batch may wait for this one)."""
+        """Wrap the reading and encoding of a request: while it lasts, another request is not alone
+        (and, with ``max_wait_us``, a batch may wait for this one)."""
         self._arriving += 1
         try:
             yield
@@ -96,7 +97,8 @@ class Batcher:
         return await future
 
     def _kick(self) -> None:
-        """Start a model call on what is queued, if the model is idle (or arm the ``max_wait_us`` timer)."""
+        """Start a model call on what is queued, if the model is idle (or arm the ``max_wait_us``
+        timer)."""
         if self._busy or not self._queue:
             return
         if self.max_wait and self._arriving and self._queued_rows < self.max_batch:
@@ -111,14 +113,18 @@ class Batcher:
             self._dispatch()
 
     def _dispatch(self) -> None:
-        """Queued requests of one model, up to ``max_batch`` rows (a larger request alone) -> one call in the
-        model thread; its answer comes back as a callback in the event loop."""
+        """Queued requests of one model, up to ``max_batch`` rows (a larger request alone) -> one
+        call in the model thread; its answer comes back as a callback in the event loop."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         first = self._queue.popleft()
         group, rows = [first], first.rows
-        while self._queue and self._queue[0].model is first.model and rows + self._queue[0].rows <= self.max_batch:
+        while (
+            self._queue
+            and self._queue[0].model is first.model
+            and rows + self._queue[0].rows <= self.max_batch
+        ):
             p = self._queue.popleft()
             group.append(p)
             rows += p.rows
@@ -137,9 +143,13 @@ class Batcher:
             start = 0
             for p in group:
                 if not p.future.done():  # not cancelled meanwhile
-                    p.future.set_result((logits[start:start + p.rows], prob[start:start + p.rows]))
+                    p.future.set_result(
+                        (logits[start : start + p.rows], prob[start : start + p.rows])
+                    )
                 start += p.rows
-        elif len(group) > 1:  # isolate the request that failed: each one alone, so the others still succeed
+        elif (
+            len(group) > 1
+        ):  # isolate the request that failed: each one alone, so the others still succeed
             self._busy = True
             asyncio.get_running_loop().create_task(self._one_by_one(group))
             return

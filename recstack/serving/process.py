@@ -1,19 +1,20 @@
 """The processes of ``recstack serve``: one uvicorn server that drains before it stops, and, under
 ``--workers N``, a pre-fork supervisor.
 
-Drain (``DrainingServer``): the first SIGTERM / SIGINT does not stop the server. It turns ``/readyz`` (and
-``/v2/health/ready``) to 503, so that a load balancer stops sending, marks every answer ``Connection: close``
-(a keep-alive client opens a new connection for its next request instead of sending it on one about to
-close), and keeps serving. Once no scoring request has been in flight for ``DRAIN_QUIET_S`` (so that
-a keep-alive client sending back to back has had its ``Connection: close``; checked every 0.1 s), or
-``drain_timeout_s`` has passed, uvicorn's shutdown runs: the listening socket closes, the requests still
-in flight are answered (bounded by what is left of the drain timeout), the app stops its tasks. A second
-SIGINT forces the exit.
+Drain (``DrainingServer``): the first SIGTERM / SIGINT does not stop the server. It turns
+``/readyz`` (and ``/v2/health/ready``) to 503, so that a load balancer stops sending, marks every
+answer ``Connection: close`` (a keep-alive client opens a new connection for its next request
+instead of sending it on one about to close), and keeps serving. Once no scoring request has been in
+flight for ``DRAIN_QUIET_S`` (so that a keep-alive client sending back to back has had its
+``Connection: close``; checked every 0.1 s), or ``drain_timeout_s`` has passed, uvicorn's shutdown
+runs: the listening socket closes, the requests still in flight are answered (bounded by what is
+left of the drain timeout), the app stops its tasks. A second SIGINT forces the exit.
 
-Workers (``run_workers``): the parent loads the model once, opens the listening socket, and forks N workers
-that inherit both: the tables (read into memory, ``artifact.read_array``) and the imported runtime are shared
-copy-on-write instead of being loaded N times. The parent forwards SIGTERM / SIGINT to the workers, restarts a
-worker that dies unexpectedly, and exits 0 when all of them stopped cleanly.
+Workers (``run_workers``): the parent loads the model once, opens the listening socket, and forks N
+workers that inherit both: the tables (read into memory, ``artifact.read_array``) and the imported
+runtime are shared copy-on-write instead of being loaded N times. The parent forwards SIGTERM /
+SIGINT to the workers, restarts a worker that dies unexpectedly, and exits 0 when all of them
+stopped cleanly.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class Drainable(Protocol):
     def active(self) -> int: ...  # scoring requests in flight
 
     @property
-    def last_active(self) -> float: ...  # time.monotonic() when a scoring request last began or ended
+    def last_active(
+        self,
+    ) -> float: ...  # time.monotonic() when a scoring request last began or ended
 
 
 class DrainingServer(uvicorn.Server):
@@ -76,22 +79,26 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(server: DrainingServer, sockets: list[socket.socket] | None = None) -> None:
-    """Run until drained and stopped. uvicorn re-raises the signal that stopped it once it is done: handlers
-    that ignore it make the process end with 0 after the graceful shutdown instead of dying of the signal."""
+    """Run until drained and stopped. uvicorn re-raises the signal that stopped it once it is done:
+    handlers that ignore it make the process end with 0 after the graceful shutdown instead of dying
+    of the signal."""
     for sig in _SIGNALS:
         signal.signal(sig, lambda signum, frame: None)
     server.run(sockets=sockets)
 
 
 def run_workers(workers: int, sock: socket.socket, start: Callable[[], None]) -> int:
-    """Fork ``workers`` processes that each call ``start()`` (which serves on ``sock`` until drained) ->
-    0 when every worker exited 0, else 1. Runs in the parent, which has loaded the model already."""
+    """Fork ``workers`` processes that each call ``start()`` (which serves on ``sock`` until
+    drained) -> 0 when every worker exited 0, else 1. Runs in the parent, which has loaded the model
+    already."""
     children: dict[int, int] = {}  # pid -> worker index
     stopping = False
     failed = False
 
     def fork(index: int) -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)  # no signal between fork and the child's handlers
+        signal.pthread_sigmask(
+            signal.SIG_BLOCK, _SIGNALS
+        )  # no signal between fork and the child's handlers
         pid = os.fork()
         if pid == 0:
             code = 0
@@ -135,9 +142,10 @@ def run_workers(workers: int, sock: socket.socket, start: Callable[[], None]) ->
         if code != 0:
             failed = True
             if not stopping:  # died on its own: a fresh fork of the loaded model takes its place
-                log.error("recstack serve: worker %d (pid %d) exited %d; restarting it", index, pid, code)
+                log.error(
+                    "recstack serve: worker %d (pid %d) exited %d; restarting it", index, pid, code
+                )
                 fork(index)
                 failed = False
     sock.close()
     return 1 if failed else 0
-

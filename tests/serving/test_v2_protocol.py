@@ -1,6 +1,7 @@
-"""The Open Inference Protocol (KServe V2) of ``recstack serve``, called with Triton's own HTTP client library
-(``tritonclient[http]``) against a real server process: health, metadata, and columnar ``infer`` in both of
-the client's encodings (binary tensors and JSON), scoring exactly as ``/v1/score``."""
+"""The Open Inference Protocol (KServe V2) of ``recstack serve``, called with Triton's own HTTP
+client library (``tritonclient[http]``) against a real server process: health, metadata, and
+columnar ``infer`` in both of the client's encodings (binary tensors and JSON), scoring exactly as
+``/v1/score``."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def columns(shared_artifacts) -> dict[str, np.ndarray]:  # noqa: F811
     model = ServingModel.load(shared_artifacts["models"] / "1")
     b = model.encode(ROWS)
     ids = b.sparse.ids.view(len(model.feature_names), len(ROWS))
-    out = {n: b.dense[:, j].numpy() for j, n in enumerate(model.manifest["model"]["dense_features"])}
+    out = {
+        n: b.dense[:, j].numpy() for j, n in enumerate(model.manifest["model"]["dense_features"])
+    }
     out.update({n: ids[f].numpy().astype(np.int64) for f, n in enumerate(model.feature_names)})
     return out
 
@@ -47,7 +50,9 @@ def test_health_and_metadata(client, columns) -> None:
     meta = client.get_model_metadata("ctr")
     assert meta["name"] == "ctr" and meta["versions"] == ["1"]
     inputs = {i["name"]: (i["datatype"], i["shape"]) for i in meta["inputs"]}
-    assert inputs == {n: ("FP32" if a.dtype == np.float32 else "INT64", [-1]) for n, a in columns.items()}
+    assert inputs == {
+        n: ("FP32" if a.dtype == np.float32 else "INT64", [-1]) for n, a in columns.items()
+    }
     assert [o["name"] for o in meta["outputs"]] == ["scores", "logits"]
     with pytest.raises(InferenceServerException, match="unknown model"):
         client.get_model_metadata("other")
@@ -60,8 +65,12 @@ def test_infer_scores_as_v1(server, client, columns, binary: bool) -> None:
         t = triton.InferInput(name, [len(a)], "FP32" if a.dtype == np.float32 else "INT64")
         t.set_data_from_numpy(a, binary_data=binary)
         inputs.append(t)
-    result = client.infer("ctr", inputs, request_id="r1",
-                          outputs=[triton.InferRequestedOutput("scores", binary_data=False)])
+    result = client.infer(
+        "ctr",
+        inputs,
+        request_id="r1",
+        outputs=[triton.InferRequestedOutput("scores", binary_data=False)],
+    )
     v1 = server.score({"rows": ROWS}).json()["scores"]
     np.testing.assert_allclose(result.as_numpy("scores"), v1, rtol=0, atol=1e-6)
     assert result.get_response()["model_version"] == "1" and result.get_response()["id"] == "r1"
@@ -85,7 +94,10 @@ def test_bad_infer_requests_are_4xx_naming_the_input(server, client, columns) ->
         infer({**columns, "I1": np.full(5, 1e300)})
     with pytest.raises(InferenceServerException, match="shape"):
         infer({**columns, "I2": np.zeros(4, np.float32)})
-    r = server.client.post("/v2/models/ctr/infer", content=b'{"inputs": [{"name": "I1", "shape": [1], '
-                                                          b'"datatype": "FP32", "data": [' + b"9" * 5000 + b"]}]}")
+    r = server.client.post(
+        "/v2/models/ctr/infer",
+        content=b'{"inputs": [{"name": "I1", "shape": [1], '
+        b'"datatype": "FP32", "data": [' + b"9" * 5000 + b"]}]}",
+    )
     assert r.status_code == 400 and "error" in r.json()
     assert server.metric('recstack_requests_total{status="500"}') == 0
