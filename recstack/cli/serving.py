@@ -105,10 +105,12 @@ def run_serve(args: argparse.Namespace) -> None:
     else:
         raise ArtifactError(f"{root}: no serving artifact (no {MANIFEST}, no <version>/ with one)")
     # Loaded (and verified) here first, so that a broken artifact stops the command with its message.
-    model = ServingModel.load(model_dir, args.device) if model_dir is not None else None
-    if model is not None and model_dir != root and model.version != int(model_dir.name):
-        raise ArtifactError(f"{model_dir / MANIFEST}: version {model.version}, but the directory says "
-                            f"{model_dir.name} (a copied version directory?)")
+    model = None
+    if model_dir is not None:
+        model = ServingModel.load(model_dir, args.device)
+        if model_dir != root and model.version != int(model_dir.name):
+            raise ArtifactError(f"{model_dir / MANIFEST}: version {model.version}, but the directory "
+                                f"says {model_dir.name} (a copied version directory?)")
     opts = ServeOptions(
         model_dir=str(model_dir or ""), device=args.device, max_batch=args.max_batch, max_wait_us=args.max_wait_us,
         max_rows=args.max_rows or args.max_batch, max_body_bytes=args.max_body_bytes, watch=args.watch,
