@@ -206,8 +206,8 @@ def wrk(
 
 
 def ratio(cell: dict[str, Any], key: str) -> float | None:
-    """recstack's figure over the eager server's; None where either completed no request (a cell that
-    says nothing, as on a machine too loaded to answer within wrk's run)."""
+    """recstack's figure over the eager server's; None where either completed no request (a cell
+    that says nothing, as on a machine too loaded to answer within wrk's run)."""
     r, e = cell["recstack"], cell["eager"]
     if not (r["rps"] > 0 and e["rps"] > 0 and r["p50_ms"] > 0 and e["p50_ms"] > 0):
         return None
