@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 tr, why = run_subprocess([tp, *worker, "--worker", "torchrec"], a.threads)
                 res["torchrec"] = tr if tr is not None else {"skipped": f"TorchRec arm failed: {why}"}
     if not a.no_http:
-        res["http"] = http_run(0.5 if a.quick else a.duration, 2000 if a.quick else a.max_ind_range, a.quick)
+        res["http"] = http_run(2.0 if a.quick else a.duration, 2000 if a.quick else a.max_ind_range, a.quick)
     res["threads"] = a.threads
     res["targets"] = check_targets(res)
     res["machine"] = {**info, "load_avg_end": [round(x, 2) for x in os.getloadavg()]}

@@ -322,11 +322,8 @@ def run(duration_s: float, max_ind_range: int, quick: bool) -> dict[str, Any]:
                     payload = body(built[form], form, size, seed=size)
                     for c in (1, 8) if quick else CONCURRENCY:
                         cell: dict[str, Any] = {"form": form, "candidates": size, "connections": c}
-                        for i, name in enumerate(
-                            ("recstack", "eager") if c % 2 else ("eager", "recstack")
-                        ):
-                            if i == 0:
-                                wrk(ports[name], payload, c, min(1.0, duration_s), tmp)  # warm-up
+                        for name in ("recstack", "eager") if c % 2 else ("eager", "recstack"):
+                            wrk(ports[name], payload, c, 1.0, tmp)  # warm-up, each server alike
                             cell[name] = wrk(ports[name], payload, c, duration_s, tmp)
                         cell["rps_ratio"] = ratio(cell, "rps")
                         cell["p99_ratio"] = ratio(cell, "p99_ms")
