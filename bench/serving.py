@@ -31,9 +31,7 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +45,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.serving_http import markdown as http_markdown  # noqa: E402
+from bench.serving_http import run as http_run  # noqa: E402
+from bench.serving_http import targets as http_targets  # noqa: E402
 from bench.train_throughput import NUM_DENSE, kaggle_config, machine_info, run_worker, zipf_ids  # noqa: E402
 from recstack.data.batch import Batch, SparseFeatures  # noqa: E402
 from recstack.data.format import SparseFeatureSpec, capped_table_sizes  # noqa: E402
@@ -57,10 +58,6 @@ WIDTHS = ("fp32", "int8", "int4")
 BATCHES = (1, 64, 512, 2048)
 TORCHREC_PYTHON = "/work/bench-venv/bin/python"
 P99_BUDGET_S = 0.010
-# Offered request rates (requests/s) per request kind, lowest first; a sweep stops once a rate saturates.
-RATES = {1: [10, 25, 50, 100, 200, 400, 700, 1000], 100: [2, 5, 10, 25, 50, 100, 200]}
-QUICK_RATES = {1: [20], 100: [5]}
-HTTP_MODEL_BATCH = 512  # the model-only batch that the 100-candidate HTTP rate is compared with
 
 
 def build_models(tmp: Path, quick: bool) -> tuple[Path, dict[str, Path], list[int]]:
@@ -211,21 +208,6 @@ def run_subprocess(cmd: list[str], threads: int) -> tuple[dict | None, str]:
 
 
 # ---------------------------------------------------------------------------------------------------- HTTP
-def request_bodies(sizes: list[int], candidates: int, n: int, seed: int) -> list[bytes]:
-    """n request bodies of encoded ids: one row (candidates == 1), or one user (13 dense values and C1..C13)
-    with ``candidates`` candidates (C14..C26 each)."""
-    out = []
-    for i in range(n):
-        dense, ids = inputs(sizes, candidates, 1, seed * 1000 + i)[0]
-        user = {f"I{j + 1}": float(dense[0, j]) for j in range(NUM_DENSE)}
-        user.update({f"C{f + 1}": int(ids[0, f]) for f in range(13)})
-        cands = [{f"C{f + 1}": int(ids[c, f]) for f in range(13, len(sizes))} for c in range(candidates)]
-        body = ({"rows": [{**user, **cands[0]}], "encoded": True} if candidates == 1
-                else {"shared": user, "candidates": cands, "encoded": True})
-        out.append(json.dumps(body).encode())
-    return out
-
-
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) used so far by process ``pid`` and its descendants (Linux /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -285,111 +267,50 @@ async def offer(url: str, bodies: list[bytes], rate: float, duration_s: float, s
             "load_avg_1m": round(os.getloadavg()[0], 2)}  # the machine's load: how far to trust the row
 
 
-def http_arm(model: Path, sizes: list[int], workers: int, threads: int, rates: dict[int, list[int]],
-             duration_s: float, logdir: Path) -> dict[str, Any]:
-    """Start ``recstack serve`` with ``workers`` processes and sweep the offered rates of each request kind."""
-    import httpx
-
-    with socket.socket() as sock:  # a free port of 127.0.0.1
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    log = open(logdir / f"serve_{workers}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "recstack", "serve", str(model), "--port", str(port),
-                             "--workers", str(workers), "--threads", str(threads)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    out: dict[str, Any] = {"workers": workers}
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"recstack serve did not start: {(logdir / f'serve_{workers}.log').read_text()}")
-            try:  # every worker has loaded the model: one version series each
-                lines = httpx.get(url + "/metrics").text.splitlines()
-                if sum(line.startswith("recstack_model_version") for line in lines) == workers:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        for cands, levels in rates.items():
-            bodies = request_bodies(sizes, cands, 64, seed=cands)
-            asyncio.run(offer(url, bodies, levels[0], 1.0, proc.pid))  # warm-up
-            sweep = []
-            for rate in levels:
-                res = asyncio.run(offer(url, bodies, rate, duration_s, proc.pid))
-                sweep.append(res)
-                print(f"http workers={workers} candidates={cands}: {res}", file=sys.stderr, flush=True)
-                if res["errors"] or res["achieved_rps"] < 0.9 * rate or res["p99_ms"] > 10 * P99_BUDGET_S * 1e3:
-                    break  # saturated: higher rates only queue
-            ok = [r for r in sweep if not r["errors"] and r["p99_ms"] <= P99_BUDGET_S * 1e3]
-            best = max(ok, key=lambda r: r["offered_rps"]) if ok else None
-            out[str(cands)] = {"sweep": sweep, "max_rps_p99_under_10ms": best["offered_rps"] if best else 0,
-                               "at_max": best}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------- report
 def check_targets(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The issue's targets -> {target: {"met": bool | None, "value": ..., "note": ...}} (None: not measured)."""
     out: dict[str, dict[str, Any]] = {}
-    sps = res["model"]["samples_per_s"]
-    big = sps["2048"]
-    ratio = big["int8"] / big["eager_fp32"]
-    out["int8 model-only at batch 2048 >= 1.5x eager fp32"] = {"met": ratio >= 1.5, "value": round(ratio, 2)}
-    tr = res.get("torchrec")
-    if tr and "samples_per_s" in tr:
-        t = tr["samples_per_s"]["2048"]
-        r = t["int8"] / t["torchrec_int8"]
-        out["int8 model-only at batch 2048 >= TorchRec's quantized collection"] = {"met": r >= 1.0,
-                                                                                   "value": round(r, 2)}
-    else:
-        out["int8 model-only at batch 2048 >= TorchRec's quantized collection"] = {
-            "met": None, "note": f"not run: {(tr or {}).get('skipped', 'no result')}"}
-    mem = res["model"]["table_bytes"]
-    for w, bound in (("int8", 0.3), ("int4", 0.17)):
-        out[f"table memory {w} <= {bound}x fp32"] = {"met": mem[w]["ratio"] <= bound,
-                                                     "value": round(mem[w]["ratio"], 4)}
-    out["AUC change int8 <= 0.0005"] = {"met": None, "note": "measured on real held-out data in the export "
-                                        "half (docs/serving.md); this benchmark's ids are synthetic"}
-    sp = sps[str(HTTP_MODEL_BATCH)]
-    for h in res.get("http", []):
-        best = h["100"]["max_rps_p99_under_10ms"] * 100
-        r = best / sp["int8"]
-        out[f"HTTP 100-candidate samples/s >= 0.5x int8 model-only (batch {HTTP_MODEL_BATCH}) with p99 <= 10 ms, "
-            f"{h['workers']} worker(s)"] = {"met": r >= 0.5, "value": round(r, 3),
-                                            "note": f"{best:,.0f} samples/s at p99 <= 10 ms vs {sp['int8']:,.0f}"}
+    if "model" in res:
+        sps = res["model"]["samples_per_s"]
+        big = sps["2048"]
+        ratio = big["int8"] / big["eager_fp32"]
+        out["int8 model-only at batch 2048 >= 1.5x eager fp32"] = {"met": ratio >= 1.5, "value": round(ratio, 2)}
+        tr = res.get("torchrec")
+        if tr and "samples_per_s" in tr:
+            t = tr["samples_per_s"]["2048"]
+            r = t["int8"] / t["torchrec_int8"]
+            out["int8 model-only at batch 2048 >= TorchRec's quantized collection"] = {"met": r >= 1.0,
+                                                                                       "value": round(r, 2)}
+        else:
+            out["int8 model-only at batch 2048 >= TorchRec's quantized collection"] = {
+                "met": None, "note": f"not run: {(tr or {}).get('skipped', 'no result')}"}
+        mem = res["model"]["table_bytes"]
+        for w, bound in (("int8", 0.3), ("int4", 0.17)):
+            out[f"table memory {w} <= {bound}x fp32"] = {"met": mem[w]["ratio"] <= bound,
+                                                         "value": round(mem[w]["ratio"], 4)}
+        out["AUC change int8 <= 0.0005"] = {"met": None, "note": "measured on real held-out data in the export "
+                                            "half (docs/serving.md); this benchmark's ids are synthetic"}
+    if "http" in res:
+        out.update(http_targets(res["http"]))
     return out
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = ["| batch | eager fp32 | fp32 | int8 | int4 | TorchRec int8 (its run: recstack int8) | int8 / eager |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    tr = (res.get("torchrec") or {}).get("samples_per_s")
-    for b, v in res["model"]["samples_per_s"].items():
-        t = tr.get(b) if tr else None
-        trc = f"{t['torchrec_int8']:,.0f} ({t['int8']:,.0f})" if t else "skipped"
-        lines.append(f"| {b} | {v['eager_fp32']:,.0f} | {v['fp32']:,.0f} | {v['int8']:,.0f} | {v['int4']:,.0f} | "
-                     f"{trc} | {v['int8'] / v['eager_fp32']:.2f}x |")
-    lines += ["", "model-only samples/s (one call on a ready batch; median of interleaved rounds)", "",
-              "| workers | candidates / request | max req/s with p99 <= 10 ms | p50 / p99 (ms) at the highest steady "
-              "rate | server CPU ms / request | client CPU ms / request | load avg |",
-              "|---:|---:|---:|---:|---:|---:|---:|"]
-    for h in res.get("http", []):
-        for c in ("1", "100"):
-            steady = [r for r in h[c]["sweep"] if r["achieved_rps"] >= 0.9 * r["offered_rps"] and not r["errors"]]
-            low = (steady or h[c]["sweep"])[-1]  # the most requests the server kept up with: steadiest CPU figure
-            lines.append(f"| {h['workers']} | {c} | {h[c]['max_rps_p99_under_10ms']} | {low['p50_ms']:.1f} / "
-                         f"{low['p99_ms']:.1f} at {low['offered_rps']}/s | {low['server_cpu_ms_per_request']:.2f} | "
-                         f"{low['client_cpu_ms_per_request']:.2f} | {low['load_avg_1m']:.1f} |")
-    lines += ["", "| target | result |", "|---|---|"]
+    lines = []
+    if "model" in res:
+        lines += ["| batch | eager fp32 | fp32 | int8 | int4 | TorchRec int8 (its run: recstack int8) | int8 / eager |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        tr = (res.get("torchrec") or {}).get("samples_per_s")
+        for b, v in res["model"]["samples_per_s"].items():
+            t = tr.get(b) if tr else None
+            trc = f"{t['torchrec_int8']:,.0f} ({t['int8']:,.0f})" if t else "skipped"
+            lines.append(f"| {b} | {v['eager_fp32']:,.0f} | {v['fp32']:,.0f} | {v['int8']:,.0f} | "
+                         f"{v['int4']:,.0f} | {trc} | {v['int8'] / v['eager_fp32']:.2f}x |")
+        lines += ["", "model-only samples/s (one call on a ready batch; median of interleaved rounds)", ""]
+    if "http" in res:
+        lines += [http_markdown(res["http"]), ""]
+    lines += ["| target | result |", "|---|---|"]
     for k, v in res["targets"].items():
         met = {True: "met", False: "MISSED", None: "not measured"}[v["met"]]
         detail = ", ".join(str(x) for x in (v.get("value"), v.get("note")) if x is not None)
@@ -404,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torchrec-python", default=TORCHREC_PYTHON,
                    help=f"python of the environment with TorchRec (default {TORCHREC_PYTHON}; none: skip)")
     p.add_argument("--no-http", action="store_true", help="model-only arms only")
+    p.add_argument("--http-only", action="store_true", help="the HTTP arm (wrk) only")
+    p.add_argument("--duration", type=float, default=4.0, help="seconds per wrk cell (default 4)")
+    p.add_argument("--max-ind-range", type=int, default=200_000,
+                   help="rows of each of the 26 hashed tables of the HTTP arm's model (default 200000)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the model-only arms and of each "
                    "server worker (default 1: steadiest on a shared machine, and recstack serve's default)")
     p.add_argument("--worker", choices=("model", "torchrec"), help=argparse.SUPPRESS)
@@ -423,30 +348,27 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     info = machine_info()
-    with tempfile.TemporaryDirectory(prefix="recstack-bench-serving-") as tmp:
-        run, models, sizes = build_models(Path(tmp), a.quick)
-        spec = json.dumps({"run": str(run), "models": {k: str(v) for k, v in models.items()}, "sizes": sizes})
-        worker = [str(Path(__file__).resolve()), "--spec", spec, "--threads", str(a.threads),
-                  *(["--quick"] if a.quick else [])]
-        model_res, why = run_subprocess([sys.executable, *worker, "--worker", "model"], a.threads)
-        if model_res is None:
-            raise SystemExit(f"model-only arms failed: {why}")
-        res: dict[str, Any] = {
-            "benchmark": "serving",
-            "description": "DLRM Criteo Kaggle: dim 16, bottom 13-512-256-64-16, top 512-256-1, dot, 26 tables <= "
-                           + ("2000 rows (--quick)" if a.quick else "1M rows"),
-            "rows_total": sum(sizes), "model": model_res,
-        }
-        tp = a.torchrec_python
-        if tp == "none" or not Path(tp).is_file():
-            res["torchrec"] = {"skipped": "no TorchRec environment" if tp != "none" else "--torchrec-python none"}
-        else:
-            tr, why = run_subprocess([tp, *worker, "--worker", "torchrec"], a.threads)
-            res["torchrec"] = tr if tr is not None else {"skipped": f"TorchRec arm failed: {why}"}
-        if not a.no_http:
-            rates = QUICK_RATES if a.quick else RATES
-            res["http"] = [http_arm(models["int8"], sizes, w, a.threads, rates, 0.5 if a.quick else 4.0, Path(tmp))
-                           for w in ((1,) if a.quick else (1, 2))]
+    res: dict[str, Any] = {"benchmark": "serving"}
+    if not a.http_only:
+        with tempfile.TemporaryDirectory(prefix="recstack-bench-serving-") as tmp:
+            run, models, sizes = build_models(Path(tmp), a.quick)
+            spec = json.dumps({"run": str(run), "models": {k: str(v) for k, v in models.items()}, "sizes": sizes})
+            worker = [str(Path(__file__).resolve()), "--spec", spec, "--threads", str(a.threads),
+                      *(["--quick"] if a.quick else [])]
+            model_res, why = run_subprocess([sys.executable, *worker, "--worker", "model"], a.threads)
+            if model_res is None:
+                raise SystemExit(f"model-only arms failed: {why}")
+            res["description"] = ("DLRM Criteo Kaggle: dim 16, bottom 13-512-256-64-16, top 512-256-1, dot, 26 "
+                                  "tables <= " + ("2000 rows (--quick)" if a.quick else "1M rows"))
+            res["rows_total"], res["model"] = sum(sizes), model_res
+            tp = a.torchrec_python
+            if tp == "none" or not Path(tp).is_file():
+                res["torchrec"] = {"skipped": "no TorchRec environment" if tp != "none" else "--torchrec-python none"}
+            else:
+                tr, why = run_subprocess([tp, *worker, "--worker", "torchrec"], a.threads)
+                res["torchrec"] = tr if tr is not None else {"skipped": f"TorchRec arm failed: {why}"}
+    if not a.no_http:
+        res["http"] = http_run(2.0 if a.quick else a.duration, 2000 if a.quick else a.max_ind_range, a.quick)
     res["threads"] = a.threads
     res["targets"] = check_targets(res)
     res["machine"] = {**info, "load_avg_end": [round(x, 2) for x in os.getloadavg()]}

@@ -161,6 +161,23 @@ Round 3, part A: crashes by signal, lost or wrong results, the metadata unpickle
     training/test_checkpoint_security.py::test_metadata_patching_a_class_is_refused
     training/test_checkpoint_security.py::test_the_metadata_reader_sets_nothing_on_any_class
 
+8. The scoring service (``recstack serve``)
+- hostile bodies (5,000-digit integers, 100,000-deep nesting, numbers past float32 or int64):
+    serving/test_server_inputs.py::test_hostile_json_is_a_400_naming_the_field
+- a non-finite score (and the status counted as sent):
+    serving/test_server_inputs.py::test_a_non_finite_score_is_a_422_and_counted_as_sent
+- fuzzed bodies over HTTP:
+    serving/test_server_inputs.py::test_fuzzed_bodies_never_get_a_5xx
+- table files truncated under a running server:
+    serving/test_server_lifecycle.py::test_table_files_changed_under_a_running_server_change_nothing
+- a misnumbered or refused version directory:
+    serving/test_server_lifecycle.py::test_watcher_refuses_a_misnumbered_directory_once_and_no_refusal_blocks_newer
+- SIGTERM with requests in flight / under keep-alive load:
+    serving/test_server_lifecycle.py::test_sigterm_drains_answering_requests_in_flight_and_exits_0
+    serving/test_server_lifecycle.py::test_sigterm_under_keep_alive_load_answers_every_request_sent
+- a stalled request body:
+    serving/test_server_lifecycle.py::test_a_stalled_body_gets_408_and_does_not_delay_shutdown
+
 SIGKILL during prepare / synth
 - SIGKILL during ``data prepare``:
     test_fault_matrix.py::test_sigkill_during_prepare_leaves_nothing_a_train_accepts

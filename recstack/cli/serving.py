@@ -53,14 +53,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--workers", type=positive_int, default=1,
-                   help="server processes sharing the port and the memory-mapped tables (default 1)")
+                   help="server processes sharing the port and the loaded model (forked after loading; "
+                        "default 1)")
     s.add_argument("--threads", type=thread_count, default=1,
                    help="torch threads per worker (default 1: small batches gain nothing from more, and the "
                         "event loop needs a core; scale with --workers)")
     s.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda or cuda:N")
     s.add_argument("--max-batch", type=positive_int, default=2048, help="rows per model call at most (default 2048)")
-    s.add_argument("--max-wait-us", type=int, default=500,
-                   help="how long a batch waits for more requests, microseconds (default 500)")
+    s.add_argument("--max-wait-us", type=int, default=0,
+                   help="how long a batch may wait for requests already received but still being read, "
+                        "microseconds (default 0: never; a request alone is scored at once in any case)")
     s.add_argument("--max-rows", type=positive_int, help="rows (or candidates) per request at most "
                                                         "(default --max-batch)")
     s.add_argument("--max-body-bytes", type=positive_int, default=4 << 20,
@@ -68,6 +70,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--watch", metavar="DIR", help="versions directory to poll for newer exported versions "
                                                   "(hot swap)")
     s.add_argument("--watch-interval", type=float, default=1.0, metavar="S", help="poll every S seconds (default 1)")
+    s.add_argument("--model-name", default="recstack",
+                   help="the model's name in the Open Inference Protocol routes, /v2/models/NAME (default recstack)")
+    s.add_argument("--body-timeout", type=float, default=10.0, metavar="S",
+                   help="a request body that has not fully arrived after S seconds gets 408 (default 10)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM / SIGINT: not ready, keep answering until nothing is in flight, at most S "
+                        "seconds (default 30)")
     s.set_defaults(func=run_serve)
 
 
@@ -82,6 +91,10 @@ def run_serve(args: argparse.Namespace) -> None:
     check_device_name(args.device, check_available=True, field="--device")
     if args.max_wait_us < 0:
         raise ConfigError(f"--max-wait-us {args.max_wait_us}: must be >= 0")
+    for flag, value in (("--body-timeout", args.body_timeout), ("--drain-timeout", args.drain_timeout),
+                        ("--watch-interval", args.watch_interval)):
+        if not value > 0:
+            raise ConfigError(f"{flag} {value}: must be > 0")
     root = Path(args.model_dir)
     if (root / MANIFEST).is_file():
         model_dir = root
@@ -92,12 +105,18 @@ def run_serve(args: argparse.Namespace) -> None:
     else:
         raise ArtifactError(f"{root}: no serving artifact (no {MANIFEST}, no <version>/ with one)")
     # Loaded (and verified) here first, so that a broken artifact stops the command with its message.
-    model = ServingModel.load(model_dir, args.device) if model_dir is not None else None
+    model = None
+    if model_dir is not None:
+        model = ServingModel.load(model_dir, args.device)
+        if model_dir != root and model.version != int(model_dir.name):
+            raise ArtifactError(f"{model_dir / MANIFEST}: version {model.version}, but the directory "
+                                f"says {model_dir.name} (a copied version directory?)")
     opts = ServeOptions(
         model_dir=str(model_dir or ""), device=args.device, max_batch=args.max_batch, max_wait_us=args.max_wait_us,
         max_rows=args.max_rows or args.max_batch, max_body_bytes=args.max_body_bytes, watch=args.watch,
-        watch_interval_s=args.watch_interval, threads=args.threads,
+        watch_interval_s=args.watch_interval, threads=args.threads, body_timeout_s=args.body_timeout,
+        drain_timeout_s=args.drain_timeout, model_name=args.model_name,
     )
-    if args.workers > 1:
-        model = None  # each worker loads its own (the tables are memory-mapped: one copy in the page cache)
-    serve(opts, model, args.host, args.port, args.workers)
+    code = serve(opts, model, args.host, args.port, args.workers)  # --workers N: forked with the model loaded
+    if code:
+        raise SystemExit(code)

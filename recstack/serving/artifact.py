@@ -15,14 +15,15 @@ Layout (``MODEL_ROOT/<version>/`` when exported into a versions directory, ``ver
     transforms.json      how raw feature values become model inputs (``recstack.serving.transforms``)
     transforms/*.npy     large transform arrays (the Criteo vocabularies' sorted keys)
 
-Every array is a plain ``.npy`` (``np.load(mmap_mode="r")``, ``allow_pickle`` never set) and every text a JSON
-file: nothing here is unpickled. A directory is written as ``.<name>.tmp-*`` beside its target, fsynced and
-renamed, so a watcher sees a complete artifact or none.
+Every array is a plain ``.npy`` (read whole and checked on the bytes read, ``read_array``; ``allow_pickle``
+never set) and every text a JSON file: nothing here is unpickled. A directory is written as ``.<name>.tmp-*``
+beside its target, fsynced and renamed, so a watcher sees a complete artifact or none.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -31,6 +32,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from recstack.errors import RecstackError
 from recstack.io import disk_error, fsync_dir, os_error_in
@@ -74,9 +77,12 @@ def file_entries(root: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def read_manifest(model_dir: str | Path, verify: bool = True) -> dict[str, Any]:
+def read_manifest(model_dir: str | Path, verify: bool = True,
+                  hashed_when_read: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """The manifest of an artifact directory; with ``verify`` every file it lists is checked (size, then
-    sha256) and every file it does not list refused. Raises ArtifactError naming the file at fault."""
+    sha256) and every file it does not list refused. Raises ArtifactError naming the file at fault.
+    ``hashed_when_read(rel)``: files whose sha256 the caller checks on the bytes it reads (``read_array``),
+    so that they are not read twice."""
     root = Path(model_dir)
     path = root / MANIFEST
     if not path.is_file():
@@ -106,13 +112,48 @@ def read_manifest(model_dir: str | Path, verify: bool = True) -> dict[str, Any]:
             if size != entry["bytes"]:
                 raise ArtifactError(f"{f}: {size} bytes, the manifest says {entry['bytes']} (truncated or "
                                     "replaced)")
-            if sha256_file(f) != entry["sha256"]:
+            if not (hashed_when_read and hashed_when_read(rel)) and sha256_file(f) != entry["sha256"]:
                 raise ArtifactError(f"{f}: checksum mismatch (the file was changed after export)")
         extra = [p.relative_to(root).as_posix() for p in root.rglob("*")
                  if p.is_file() and p.name != MANIFEST and p.relative_to(root).as_posix() not in files]
         if extra:
             raise ArtifactError(f"{root / extra[0]}: not listed in {MANIFEST} (added after export)")
     return manifest
+
+
+def read_array(root: Path, manifest: dict[str, Any], rel: str, verify: bool = True) -> np.ndarray:
+    """The ``.npy`` file ``rel`` of an artifact, read whole into memory and, with ``verify``, checked against
+    the manifest's sha256 on the very bytes read. Never memory-mapped: a file truncated or rewritten under a
+    running server cannot fault its pages (SIGBUS) or change what it serves; what was checked is what is used."""
+    entry = manifest["files"].get(rel)
+    f = root / rel
+    if entry is None:  # so that it was checked, and lies inside the artifact
+        raise ArtifactError(f"{root / MANIFEST}: {rel!r} is not in its file list")
+    try:
+        with open(f, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            buf = np.empty(size, np.uint8)
+            got = fh.readinto(buf.data)
+    except OSError as e:
+        raise ArtifactError(f"{f}: unreadable ({e})") from e
+    if got != size or size != entry["bytes"]:
+        raise ArtifactError(f"{f}: {got} bytes read, the manifest says {entry['bytes']} (truncated or "
+                            "replaced)")
+    if verify and hashlib.sha256(buf.data).hexdigest() != entry["sha256"]:
+        raise ArtifactError(f"{f}: checksum mismatch (the file was changed after export)")
+    try:  # the array is a view of the checked bytes after the header (which .npy pads to 64 bytes)
+        head = io.BytesIO(buf[:min(size, 1 << 16)].tobytes())
+        fmt = np.lib.format
+        version = fmt.read_magic(head)
+        read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, fortran, dtype = read_header(head)
+        if dtype.hasobject or fortran:
+            raise ValueError("object or Fortran-ordered arrays are not artifact arrays")
+        count = int(np.prod(shape, dtype=np.int64))
+        data = buf[head.tell():head.tell() + count * dtype.itemsize]
+        return data.view(dtype).reshape(shape)
+    except ValueError as e:
+        raise ArtifactError(f"{f}: unreadable array ({e})") from e
 
 
 def list_versions(root: str | Path) -> list[int]:

@@ -1,17 +1,31 @@
-"""Dynamic batching: requests that arrive together share one model call and each gets its own slice back.
+"""Adaptive batching: a request that arrives alone is scored at once; requests that arrive while the
+model is busy share its next call, and each gets its own slice back.
 
-Every request is validated and encoded on its own before it is queued (so a bad request fails alone and never
-reaches a batch). The batching task takes the first queued request, then keeps collecting until the batch holds
-``max_batch`` rows or ``max_wait_us`` has passed since it started, and runs the model once on the joined batch
-in a worker thread (torch releases the GIL, so the event loop keeps accepting requests meanwhile; the requests
-that arrive while the model runs form the next batch). A batch holds requests encoded by one model only: after a
-hot swap the requests already encoded by the old version are still scored by it, so the switch falls between
-batches and no request sees two versions.
+Every request is validated and encoded on its own before it reaches the batcher (so a bad request
+fails alone and never joins a batch). Then:
+
+* **alone** (the model is idle, nothing is queued and no other request is being read or encoded):
+  the model runs right away in the event loop's own thread. No timer, no thread hand-off: the cost
+  of a lone request is the model call.
+* **under load**: the request is queued. Whenever the model is idle and something is queued,
+  everything queued (up to ``max_batch`` rows) goes to the model thread as one call (torch releases
+  the GIL, so the event loop keeps reading and encoding requests meanwhile; those queue up and form
+  the next call as soon as this one returns). The batch size thus follows the load with no waiting:
+  one request at a time when requests are sparse, large batches when they pile up.
+* ``max_wait_us`` > 0 (off by default) lets a batch wait up to that long for requests that have been
+  received but are still being read or encoded; it never delays a request that is alone.
+
+A batch holds requests encoded by one model only: after a hot swap the requests already encoded by
+the old version are still scored by it, so the switch falls between batches and no request sees two
+versions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,100 +35,148 @@ import torch
 from recstack.serving.metrics import ServerMetrics
 from recstack.serving.model import EncodedBatch, ServingModel
 
+Scores = tuple[np.ndarray, np.ndarray]  # (logits [rows], probabilities [rows]) float32
+
 
 @dataclass
 class _Pending:
     model: ServingModel
     batch: EncodedBatch
     rows: int
-    future: asyncio.Future  # -> (logits [rows], probabilities [rows]) as float32 arrays
+    future: asyncio.Future  # -> Scores
 
 
-def _score(model: ServingModel, batches: list[EncodedBatch]) -> tuple[np.ndarray, np.ndarray]:
-    """In the model thread: one model call on the joined batches -> (logits [B], probabilities [B])."""
+def _score(model: ServingModel, batches: list[EncodedBatch]) -> Scores:
+    """One model call on the joined batches -> (logits [B], probabilities [B])."""
     logits = model.score(EncodedBatch.concat(batches))  # float32 [B] on the CPU
     return logits.numpy(), torch.sigmoid(logits).numpy()
 
 
 class Batcher:
-    """Collects encoded requests into model calls. ``start()`` inside the event loop, ``await stop()`` at
-    shutdown (after the server has answered its in-flight requests)."""
+    """Scores encoded requests, alone or batched (see the module docstring). Used from one event
+    loop; ``await stop()`` at shutdown (after the server has answered its in-flight requests)."""
 
     def __init__(self, max_batch: int, max_wait_us: int, metrics: ServerMetrics) -> None:
         self.max_batch = max_batch
         self.max_wait = max_wait_us / 1e6
         self.metrics = metrics
-        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        # One thread: the model runs one batch at a time (its own torch threads parallelise inside a call).
+        self._queue: deque[_Pending] = deque()
+        self._queued_rows = 0
+        self._busy = False  # a model call is running (inline or in the model thread)
+        self._arriving = 0  # requests received and still being read or encoded
+        self._timer: asyncio.TimerHandle | None = None
+        # One thread: one batch at a time (its torch threads parallelise inside a call).
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="recstack-model")
-        self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="recstack-batcher")
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Wrap the reading and encoding of a request: while it lasts, another request is not alone
+        (and, with ``max_wait_us``, a batch may wait for this one)."""
+        self._arriving += 1
+        try:
+            yield
+        finally:
+            self._arriving -= 1
+            if self._timer is not None and not self._arriving:
+                self._kick()
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        while not self._queue.empty():  # nothing should be left: the server drained its requests first
-            p = self._queue.get_nowait()
-            if not p.future.done():
-                p.future.set_exception(RuntimeError("the server is shutting down"))
-        self._executor.shutdown(wait=True)
-
-    async def score(self, model: ServingModel, batch: EncodedBatch, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """One encoded request [rows] -> its (logits [rows], probabilities [rows]), scored in some batch."""
+    async def score(self, model: ServingModel, batch: EncodedBatch, rows: int) -> Scores:
+        """One encoded request [rows] -> its (logits [rows], probabilities [rows])."""
+        if not self._busy and not self._queue and not self._arriving:
+            self._busy = True  # alone: score it here and now
+            try:
+                out = _score(model, [batch])
+            finally:
+                self._busy = False
+            self.metrics.observe_batch(rows, 1)
+            return out
         future = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Pending(model, batch, rows, future))
+        self._queue.append(_Pending(model, batch, rows, future))
+        self._queued_rows += rows
+        self._kick()
         return await future
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        carry: _Pending | None = None  # a request that did not fit the previous batch: it opens the next one
-        while True:
-            first = carry if carry is not None else await self._queue.get()
-            carry = None
-            group, rows = [first], first.rows
-            deadline = loop.time() + self.max_wait
-            while rows < self.max_batch:
-                try:
-                    p = self._queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    left = deadline - loop.time()
-                    if left <= 0:
-                        break
-                    try:
-                        p = await asyncio.wait_for(self._queue.get(), left)
-                    except TimeoutError:
-                        break
-                if p.model is not first.model or rows + p.rows > self.max_batch:
-                    carry = p
-                    break
-                group.append(p)
-                rows += p.rows
-            try:
-                await self._call(group)
-            except Exception as e:  # never let the batching task die: later requests would wait forever
-                for p in group:
-                    if not p.future.done():
-                        p.future.set_exception(e)
-
-    async def _call(self, group: list[_Pending]) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            logits, prob = await loop.run_in_executor(self._executor, _score, group[0].model,
-                                                      [p.batch for p in group])
-        except Exception as e:
-            if len(group) > 1:  # isolate the request that failed: each one alone, so the others still succeed
-                for p in group:
-                    await self._call([p])
-                return
-            if not group[0].future.done():
-                group[0].future.set_exception(e)
+    def _kick(self) -> None:
+        """Start a model call on what is queued, if the model is idle (or arm the ``max_wait_us``
+        timer)."""
+        if self._busy or not self._queue:
             return
-        self.metrics.observe_batch(len(logits), len(group))
-        start = 0
+        if self.max_wait and self._arriving and self._queued_rows < self.max_batch:
+            if self._timer is None:
+                self._timer = asyncio.get_running_loop().call_later(self.max_wait, self._on_timer)
+            return
+        self._dispatch()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if not self._busy and self._queue:
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Queued requests of one model, up to ``max_batch`` rows (a larger request alone) -> one
+        call in the model thread; its answer comes back as a callback in the event loop."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        first = self._queue.popleft()
+        group, rows = [first], first.rows
+        while (
+            self._queue
+            and self._queue[0].model is first.model
+            and rows + self._queue[0].rows <= self.max_batch
+        ):
+            p = self._queue.popleft()
+            group.append(p)
+            rows += p.rows
+        self._queued_rows -= rows
+        self._busy = True
+        loop = asyncio.get_running_loop()
+        call = loop.run_in_executor(self._executor, _score, first.model, [p.batch for p in group])
+        call.add_done_callback(lambda f: self._done(group, f))
+
+    def _done(self, group: list[_Pending], call: asyncio.Future) -> None:
+        self._busy = False
+        error = call.exception() if not call.cancelled() else asyncio.CancelledError()
+        if error is None:
+            logits, prob = call.result()
+            self.metrics.observe_batch(len(logits), len(group))
+            start = 0
+            for p in group:
+                if not p.future.done():  # not cancelled meanwhile
+                    p.future.set_result(
+                        (logits[start : start + p.rows], prob[start : start + p.rows])
+                    )
+                start += p.rows
+        elif (
+            len(group) > 1
+        ):  # isolate the request that failed: each one alone, so the others still succeed
+            self._busy = True
+            asyncio.get_running_loop().create_task(self._one_by_one(group))
+            return
+        elif not group[0].future.done():
+            group[0].future.set_exception(error)
+        self._kick()
+
+    async def _one_by_one(self, group: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
         for p in group:
-            if not p.future.done():  # not cancelled meanwhile
-                p.future.set_result((logits[start:start + p.rows], prob[start:start + p.rows]))
-            start += p.rows
+            try:
+                out = await loop.run_in_executor(self._executor, _score, p.model, [p.batch])
+            except Exception as e:
+                if not p.future.done():
+                    p.future.set_exception(e)
+                continue
+            self.metrics.observe_batch(p.rows, 1)
+            if not p.future.done():
+                p.future.set_result(out)
+        self._busy = False
+        self._kick()
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        while self._queue:  # nothing should be left: the server drained its requests first
+            p = self._queue.popleft()
+            if not p.future.done():
+                p.future.set_exception(RuntimeError("the server is shutting down"))
+        await asyncio.to_thread(self._executor.shutdown, wait=True)

@@ -5,44 +5,52 @@ Routes:
 - ``POST /v1/score``: ``{"rows": [{feature: raw value, ...}, ...], "return_logit": false}``, or the one-user,
   many-candidates form ``{"shared": {...}, "candidates": [{...}, ...]}`` -> ``{"scores": [p, ...],
   "model_version": v}`` (plus ``"logits"`` when asked), one probability per row or candidate, in order. A bad
-  request gets 400 (413 for a body over ``max_body_bytes``) and ``{"error": message, "field": where}``.
-- ``GET /healthz``: 200 while the process is up; ``GET /readyz``: 200 once a model is loaded, else 503;
-  ``GET /metrics``: Prometheus text (see ``metrics``).
+  request gets a 4xx and ``{"error": message, "field": where}`` (``requests``); no body gets a 5xx.
+- ``GET /healthz``: 200 while the process is up; ``GET /readyz``: 200 once a model is loaded, 503 before that
+  and while draining; ``GET /metrics``: Prometheus text (see ``metrics``).
+- the Open Inference Protocol (KServe V2) under ``/v2`` (``v2``): health, metadata, columnar ``infer``.
 
-Each request is parsed, checked and encoded on its own in the event loop (so a bad one fails alone), then
-scored in a shared batch (``batching``); ``--watch`` swaps in newer versions (``watch``). Shutdown (SIGTERM or
-SIGINT) is uvicorn's: stop accepting, answer the requests in flight, then this app stops its tasks.
+Each request is read, decoded and encoded on its own in the event loop (so a bad one fails alone), then scored
+at once or in a shared batch (``batching``); ``--watch`` swaps in newer versions (``watch``). SIGTERM or SIGINT
+drains first (``process``): not ready, answers marked ``Connection: close``, serving until nothing is in
+flight or ``--drain-timeout``; then the listening socket closes and the app stops its tasks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import shutil
-import signal
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import uvicorn
+from prometheus_client import values as prometheus_values
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
-from uvicorn.supervisors import Multiprocess
 
 from recstack.serving.batching import Batcher
 from recstack.serving.metrics import ServerMetrics
 from recstack.serving.model import RequestError, ServingModel
+from recstack.serving.process import DrainingServer, run_server, run_workers
+from recstack.serving.requests import (
+    BadRequest,
+    check_finite,
+    encode_json,
+    error_field,
+    parse_request,
+    read_body,
+)
+from recstack.serving.v2 import OpenInferenceProtocol
 from recstack.serving.watch import ModelHolder, log
-
-OPTIONS_ENV = "RECSTACK_SERVE_OPTIONS"  # the options of a worker process under ``--workers N`` (JSON)
-_TOP_KEYS = {"rows", "shared", "candidates", "return_logit", "encoded"}
 
 
 @dataclass
@@ -52,97 +60,15 @@ class ServeOptions:
     model_dir: str
     device: str = "cpu"
     max_batch: int = 2048
-    max_wait_us: int = 500
+    max_wait_us: int = 0
     max_rows: int = 2048
     max_body_bytes: int = 4 << 20
     watch: str | None = None
     watch_interval_s: float = 1.0
     threads: int = 1  # torch threads of each worker process
-
-
-class BadRequest(Exception):
-    """A request the server refuses: HTTP ``status`` with ``{"error": message, "field": field}``."""
-
-    def __init__(self, status: int, field: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.field = status, field
-
-
-@dataclass
-class Parsed:
-    """A request's parts: form ("rows" or "candidates"), the shared features (candidates form), the rows (or
-    candidates), whether to return logits, whether the rows carry encoded ids instead of raw values."""
-
-    form: str
-    shared: dict | None
-    rows: list[dict]
-    return_logit: bool
-    encoded: bool
-
-
-def parse_request(body: bytes, max_rows: int) -> Parsed:
-    """A request body -> its parts, checked as far as they do not depend on the model (the features are the
-    model encoder's to check). Raises BadRequest naming the field."""
-    try:
-        req = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadRequest(400, "body", f"malformed JSON: {e}") from None
-    except RecursionError:  # [[[[... thousands deep: the parser recurses once per level
-        raise BadRequest(400, "body", "malformed JSON: nested too deeply") from None
-    if not isinstance(req, dict):
-        raise BadRequest(400, "body", f"expected a JSON object, got {type(req).__name__}")
-    unknown = sorted(set(req) - _TOP_KEYS)
-    if unknown:
-        raise BadRequest(400, unknown[0], f"unknown field {unknown[0]!r:.60} (expected rows, or shared and "
-                                          "candidates, and optionally return_logit, encoded)")
-    return_logit, encoded = req.get("return_logit", False), req.get("encoded", False)
-    for name, flag in (("return_logit", return_logit), ("encoded", encoded)):
-        if not isinstance(flag, bool):
-            raise BadRequest(400, name, f"{name}: expected true or false, got {flag!r:.40}")
-    if "rows" in req:
-        if "shared" in req or "candidates" in req:
-            raise BadRequest(400, "rows", "give either rows, or shared and candidates, not both")
-        form, shared = "rows", None
-    elif "candidates" in req:
-        form, shared = "candidates", req.get("shared", {})
-        if not isinstance(shared, dict):
-            raise BadRequest(400, "shared", f"shared: expected an object of features, got {type(shared).__name__}")
-    else:
-        raise BadRequest(400, "rows", "missing field 'rows' (or 'candidates' with 'shared')")
-    rows = req[form]
-    if not isinstance(rows, list) or not rows:
-        raise BadRequest(400, form, f"{form}: expected a non-empty list of objects")
-    if len(rows) > max_rows:
-        raise BadRequest(400, form, f"{form}: {len(rows)} rows, more than the limit of {max_rows} (--max-rows)")
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise BadRequest(400, f"{form}[{i}]", f"{form}[{i}]: expected an object of features, got "
-                                                  f"{type(row).__name__}")
-    return Parsed(form, shared, rows, return_logit, encoded)
-
-
-def _field(e: RequestError, req: Parsed) -> str:
-    """Where a RequestError of the model's encoder points in the request: ``rows[3].C7``, ``shared.I1``..."""
-    if req.shared is not None and e.field is not None and e.field in req.shared:
-        return f"shared.{e.field}"
-    if e.row is None:
-        return e.field or req.form
-    return f"{req.form}[{e.row}]" + (f".{e.field}" if e.field is not None else "")
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing (413) one over ``limit`` bytes before reading it when its length is declared, else as
-    soon as it grows past the limit."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BadRequest(413, "body", f"body of {declared} bytes is over the limit of {limit} (--max-body-bytes)")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(413, "body", f"body over the limit of {limit} bytes (--max-body-bytes)")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    body_timeout_s: float = 10.0
+    drain_timeout_s: float = 30.0
+    model_name: str = "recstack"  # the model's name in the Open Inference Protocol's routes (``v2``)
 
 
 class ScoringService:
@@ -152,14 +78,18 @@ class ScoringService:
         self.opts = opts
         self.metrics = ServerMetrics()
         self.holder = ModelHolder(self.metrics, opts.device)
-        if model is not None:
-            self.holder.set(model)
+        self._loaded = model  # served from the startup on (when uvicorn's logging is set up: it logs the version)
         self.batcher = Batcher(opts.max_batch, opts.max_wait_us, self.metrics)
+        self.draining = False
+        self._active = 0  # scoring requests in flight (the drain waits for none)
+        self._last_active = time.monotonic()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
-        self.batcher.start()
-        if self.holder.current is None and self.opts.model_dir:
+        if self._loaded is not None:
+            self.holder.set(self._loaded)
+            self._loaded = None
+        elif self.opts.model_dir:
             # Before uvicorn accepts: under --workers N no worker takes a connection before it has a model.
             if not await self.holder.load(Path(self.opts.model_dir)):  # stays up, not ready; --watch may bring one
                 log.error("recstack serve: no model to serve from %s", self.opts.model_dir)
@@ -175,48 +105,82 @@ class ScoringService:
             await self.batcher.stop()
             self.metrics.close()
 
+    def start_drain(self) -> None:
+        """SIGTERM / SIGINT: not ready from now on; each answer closes its connection (``process``)."""
+        self.draining = True
+        log.info("recstack serve [pid %d]: draining (%d requests in flight)", os.getpid(), self.active)
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    @property
+    def last_active(self) -> float:
+        return self._last_active
+
+    def respond(self, body: bytes, status: int = 200, media_type: str = "application/json") -> Response:
+        closing = self.draining or status == 408  # a 408's body was not read: the connection cannot be reused
+        return Response(body, status, {"connection": "close"} if closing else None, media_type)
+
     async def healthz(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return self.respond(encode_json({"status": "ok"}))
 
     async def readyz(self, request: Request) -> Response:
+        if self.draining:
+            return self.respond(encode_json({"status": "draining"}), 503)
         if self.holder.current is None:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ready", "model_version": self.holder.version})
+            return self.respond(encode_json({"status": "loading"}), 503)
+        return self.respond(encode_json({"status": "ready", "model_version": self.holder.version}))
 
     async def metrics_text(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
-        return Response(body, media_type=content_type)
+        return self.respond(body, media_type=content_type)
 
-    async def score(self, request: Request) -> Response:
+    async def answer(self, request: Request, handle: Callable[[Request], Awaitable[dict]],
+                     error: Callable[[int, str | None, str], dict]) -> Response:
+        """One scoring request: ``handle(request)`` -> 200 and its document, or ``error(status, field,
+        message)``'s document; counted in the metrics with the status actually sent."""
         start = time.perf_counter()
         self.metrics.in_flight.inc()
+        self._active += 1
+        self._last_active = time.monotonic()
         try:
-            status, body = 200, await self._score(request)
+            status, body = 200, encode_json(await handle(request))
         except BadRequest as e:
-            status, body = e.status, {"error": str(e), "field": e.field}
+            status, body = e.status, encode_json(error(e.status, e.field, str(e)))
         except ClientDisconnect:
-            status, body = 499, {"error": "client disconnected", "field": "body"}
+            status, body = 499, encode_json(error(499, "body", "client disconnected"))
         except Exception as e:  # a bug or a failed model call: this request fails, the worker keeps serving
             log.exception("recstack serve: request failed")
-            status, body = 500, {"error": f"{type(e).__name__}: {e}", "field": None}
-        self.metrics.in_flight.dec()
-        self.metrics.observe_request(status, time.perf_counter() - start)
-        return JSONResponse(body, status_code=status)
+            status, body = 500, encode_json(error(500, None, f"{type(e).__name__}: {e}"))
+        finally:
+            self._active -= 1
+            self._last_active = time.monotonic()
+            self.metrics.in_flight.dec()
+        self.metrics.observe_request(status, time.perf_counter() - start)  # the body is encoded: this is sent
+        return self.respond(body, status)
+
+    async def score(self, request: Request) -> Response:
+        return await self.answer(request, self._score, lambda status, field, message: {"error": message,
+                                                                                       "field": field})
 
     async def _score(self, request: Request) -> dict:
         model = self.holder.current  # read once: this request is encoded and scored by this version
         if model is None:
             raise BadRequest(503, "model", "no model loaded yet")
-        req = parse_request(await _read_body(request, self.opts.max_body_bytes), self.opts.max_rows)
-        try:
-            if req.shared is None:
-                batch = model.encode(req.rows, ids=req.encoded)
-            else:
-                batch = model.encode_candidates(req.shared, req.rows, ids=req.encoded)
-        except RequestError as e:
-            raise BadRequest(400, _field(e, req), str(e)) from None
+        with self.batcher.arriving():  # meanwhile no other request is alone
+            body = await read_body(request, self.opts.max_body_bytes, self.opts.body_timeout_s)
+            req = parse_request(body, self.opts.max_rows)
+            try:
+                if req.shared is None:
+                    batch = model.encode(req.rows, ids=req.encoded)
+                else:
+                    batch = model.encode_candidates(req.shared, req.rows, ids=req.encoded)
+            except RequestError as e:
+                raise BadRequest(400, error_field(e, req.form, req.shared), str(e)) from None
         self.metrics.observe_oov(batch.oov_counts)
         logits, prob = await self.batcher.score(model, batch, batch.size)
+        check_finite(logits, req.form)
         out: dict[str, Any] = {"scores": prob.tolist(), "model_version": model.version}
         if req.return_logit:
             out["logits"] = logits.tolist()
@@ -232,38 +196,37 @@ def create_app(opts: ServeOptions, model: ServingModel | None = None) -> Starlet
         Route("/healthz", svc.healthz, methods=["GET"]),
         Route("/readyz", svc.readyz, methods=["GET"]),
         Route("/metrics", svc.metrics_text, methods=["GET"]),
+        *OpenInferenceProtocol(svc, opts.model_name).routes(),
     ]
     app = Starlette(routes=routes, lifespan=svc.lifespan)
     app.state.service = svc
     return app
 
 
-def app_from_env() -> Starlette:
-    """uvicorn's app factory in each worker process of ``--workers N``: the options come in ``OPTIONS_ENV``."""
-    opts = ServeOptions(**json.loads(os.environ[OPTIONS_ENV]))
+def serve(opts: ServeOptions, model: ServingModel | None, host: str, port: int, workers: int = 1) -> int:
+    """Run the server until SIGTERM or SIGINT, drain, then return its exit code (0 after a graceful shutdown).
+    ``workers > 1``: the model (loaded here, before the fork) and the listening socket are shared by that many
+    forked processes (``process.run_workers``), each batching its own requests and watching on its own."""
+    common: dict[str, Any] = {"host": host, "port": port, "access_log": False, "log_level": "info"}
     torch.set_num_threads(opts.threads)
-    return create_app(opts)
-
-
-def serve(opts: ServeOptions, model: ServingModel | None, host: str, port: int, workers: int = 1) -> None:
-    """Run the server until SIGTERM or SIGINT, then return (after a graceful shutdown). ``workers > 1``: that
-    many processes share the listening socket (uvicorn's supervisor), each loading the memory-mapped artifact
-    (one copy of the tables in the page cache) and batching its own requests; ``model`` is then unused."""
-    # uvicorn re-raises the signal that stopped it once it is done: a handler that ignores it makes the
-    # process end with 0 after the graceful shutdown instead of dying of the signal.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: None)
-    common: dict[str, Any] = {"host": host, "port": port, "access_log": False, "timeout_graceful_shutdown": 30,
-              "log_level": "info"}
     if workers == 1:
-        torch.set_num_threads(opts.threads)
-        uvicorn.Server(uvicorn.Config(create_app(opts, model), **common)).run()
-        return
+        app = create_app(opts, model)
+        run_server(DrainingServer(uvicorn.Config(app, **common), app.state.service, opts.drain_timeout_s))
+        return 0
     metrics_dir = tempfile.mkdtemp(prefix="recstack-serve-metrics-")
-    os.environ[OPTIONS_ENV] = json.dumps(asdict(opts))  # inherited by the spawned workers
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    # prometheus-client picks its value class when it is imported: pick again, now with the directory set
+    # (the workers' metrics are created after the fork, in each worker).
+    prometheus_values.ValueClass = prometheus_values.get_value_class()
+    config = uvicorn.Config(None, **common)  # type: ignore[arg-type]
+    sock = config.bind_socket()
+
+    def start() -> None:
+        app = create_app(opts, model)
+        config.app = app
+        run_server(DrainingServer(config, app.state.service, opts.drain_timeout_s), [sock])
+
     try:
-        config = uvicorn.Config("recstack.serving.server:app_from_env", factory=True, workers=workers, **common)
-        Multiprocess(config, sockets=[config.bind_socket()]).run()
+        return run_workers(workers, sock, start)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)

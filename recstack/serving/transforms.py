@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +85,25 @@ def _number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _float32(v: Any, field: str, row: int) -> None:
+    """A number the model takes as float32: finite there too (1e300 is a finite JSON number, not a float32)."""
+    if not _number(v):
+        raise RequestError(f"expected a number, got {type(v).__name__}", field, row)
+    if not -_F32_MAX <= v <= _F32_MAX:  # NaN fails this too
+        raise RequestError(f"{v!r:.40} is outside float32's range", field, row)
+
+
 class FeatureTransforms:
     """Raw or encoded request rows -> per-feature bags of capped ids and the dense matrix.
 
     ``features``: the manifest's feature list (name, rows, capped_rows, multi_hot, pooling, weighted), in
     the model's feature order; ``dense_names``: the prepared dense features, in order."""
 
-    def __init__(self, doc: dict[str, Any], root: Path, features: list[dict[str, Any]], dense_names: list[str]):
+    def __init__(self, doc: dict[str, Any], root: Path, features: list[dict[str, Any]], dense_names: list[str],
+                 read: Callable[[str], np.ndarray]):
         self.kind = doc.get("kind")
         self.features, self.dense_names = features, dense_names
         self.feature_names = [f["name"] for f in features]
@@ -101,7 +114,7 @@ class FeatureTransforms:
             self.mode = doc["mode"]
             self.max_ind_range = int(doc.get("max_ind_range", 0))
             if self.mode == "vocabulary":
-                self.vocab_keys = np.load(root / doc["vocab"]["keys"], mmap_mode="r", allow_pickle=False)
+                self.vocab_keys = read(doc["vocab"]["keys"])
                 self.vocab_starts = np.asarray(doc["vocab"]["starts"], np.int64)
             self.raw_fields = DENSE_NAMES + SPARSE_NAMES
         elif self.kind == "schema":
@@ -117,9 +130,10 @@ class FeatureTransforms:
         self.id_fields = dense_names + self.feature_names
 
     @staticmethod
-    def load(root: Path, manifest: dict[str, Any]) -> FeatureTransforms:
+    def load(root: Path, manifest: dict[str, Any], read: Callable[[str], np.ndarray]) -> FeatureTransforms:
+        """``read(rel)``: an array of the artifact (``artifact.read_array``)."""
         doc = json.loads((root / manifest["transforms"]).read_text())
-        return FeatureTransforms(doc, root, manifest["features"], manifest["model"]["dense_features"])
+        return FeatureTransforms(doc, root, manifest["features"], manifest["model"]["dense_features"], read)
 
     # ---------------------------------------------------------------------------------------- checks
     def _check_keys(self, rows: list[dict[str, Any]], fields: list[str], what: str, finite_check: bool = True) -> None:
@@ -144,13 +158,50 @@ class FeatureTransforms:
     # ---------------------------------------------------------------------------------------- encoded
     def encode_ids(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
         """Encoded rows: dense names -> numbers, sparse names -> an id, a list of ids (multi-hot), or for a
-        weighted feature {"ids": [...], "weights": [...]}. -> (dense float32 [B, d], bags, OOV counts)."""
+        weighted feature {"ids": [...], "weights": [...]}. -> (dense float32 [B, d], bags, OOV counts).
+        The common form (numbers and one id a feature) is checked and converted a column at a time; anything
+        else, or any value that fails those checks, goes through ``encode_ids_each`` (which names it)."""
+        what = "encoded dense values and sparse ids: " + ", ".join(self.id_fields)
+        self._check_keys(rows, self.id_fields, what, finite_check=False)
+        fast = self._ids_by_column(rows)
+        return fast if fast is not None else self.encode_ids_each(rows)
+
+    def _ids_by_column(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]] | None:
+        """Vectorised ``encode_ids`` of rows whose values are all of the common form and in range; None when
+        any is not."""
+        if any(f["multi_hot"] or f["weighted"] for f in self.features):
+            return None
+        n = len(rows)
+        dense = np.empty((n, len(self.dense_names)), np.float64)
+        try:
+            for j, name in enumerate(self.dense_names):
+                col = [r[name] for r in rows]
+                if not all(type(v) is float or type(v) is int for v in col):  # noqa: E721 (no bool)
+                    return None
+                dense[:, j] = col
+            if not (np.abs(dense) <= _F32_MAX).all():  # NaN fails this too
+                return None
+            bags: Bags = []
+            ones = np.ones(n, np.int64)
+            for spec in self.features:
+                col = [r[spec["name"]] for r in rows]
+                if not all(type(v) is int for v in col):  # noqa: E721
+                    return None
+                ids = np.array(col, np.int64)
+                if ((ids < 0) | (ids >= spec["rows"])).any():
+                    return None
+                bags.append((ones, ids, None))
+        except OverflowError:  # an integer past int64 / float64
+            return None
+        return dense.astype(np.float32), bags, {}
+
+    def encode_ids_each(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
+        """``encode_ids`` value by value, naming the first bad one (RequestError)."""
         self._check_keys(rows, self.id_fields, "encoded dense values and sparse ids: " + ", ".join(self.id_fields))
         dense = np.zeros((len(rows), len(self.dense_names)), np.float32)
         for j, name in enumerate(self.dense_names):
             for i, r in enumerate(rows):
-                if not _number(r[name]):
-                    raise RequestError(f"expected a number, got {type(r[name]).__name__}", name, i)
+                _float32(r[name], name, i)
                 dense[i, j] = r[name]
         bags: Bags = []
         for spec in self.features:
@@ -164,8 +215,10 @@ class FeatureTransforms:
                     if set(v) != {"ids", "weights"}:
                         raise RequestError('expected {"ids": [...], "weights": [...]}', name, i)
                     v, w = v["ids"], v["weights"]
-                    if not isinstance(w, list) or not all(_number(x) for x in w):
+                    if not isinstance(w, list):
                         raise RequestError("weights must be a list of numbers", name, i)
+                    for x in w:
+                        _float32(x, name, i)
                 vals = v if spec["multi_hot"] and isinstance(v, list) else [v]
                 if not all(isinstance(x, int) and not isinstance(x, bool) for x in vals):
                     kind = "an id or a list of ids" if spec["multi_hot"] else "an integer id"
@@ -241,8 +294,8 @@ class FeatureTransforms:
             values = [r[c] for r in rows]
             if c in dense_cols:
                 for i, v in enumerate(values):
-                    if v is not None and not _number(v):
-                        raise RequestError(f"expected a number or null, got {v!r:.60}", c, i)
+                    if v is not None:
+                        _float32(v, c, i)
             else:  # one text form for ids given as numbers in some rows and text in others ("12" either way)
                 kinds = {type(x) for v in values for x in (v if isinstance(v, list) else [v]) if x is not None}
                 if str in kinds and len(kinds) > 1:
@@ -250,7 +303,7 @@ class FeatureTransforms:
                               for v in values]
             try:
                 columns[c] = pa.array(values)
-            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            except (pa.ArrowException, OverflowError) as e:  # an integer past int64 overflows
                 raise RequestError(f"values of a type the column cannot hold ({e})", c) from None
         lab = sch.label
         label = lab.min if lab.min is not None else (0.0 if lab.max is None or lab.max >= 0 else lab.max)
@@ -258,11 +311,17 @@ class FeatureTransforms:
         chunk = RawChunk(pa.table(columns), "request", np.arange(n), "row", first=0)
         try:
             parsed = parse_chunk(chunk, sch, BadRowLog(skip=False))
+        except (pa.ArrowException, OverflowError) as e:  # a value Arrow cannot cast to the column's type
+            raise RequestError(f"a value the schema's types cannot hold ({e})") from None
         except DataError as e:
             row = int(e.where.rsplit(" ", 1)[-1]) if e.where.startswith("request row") else None
             shown = "" if e.value is None else f" (got {e.value!r:.60})"
             raise RequestError(f"{e.reason}{shown}", e.column, row) from None
         arrays = self.encoder.encode(parsed)
+        bad = np.argwhere(~np.isfinite(arrays["dense"]))
+        if len(bad):  # a finite value its transform takes out of float32 (standardizing 3e38)
+            raise RequestError("its transformed value is not finite in float32", sch.dense[bad[0][1]].column,
+                               int(bad[0][0]))
         bags: Bags = []
         col, oov = 0, {}
         for k, s in enumerate(sch.sparse):

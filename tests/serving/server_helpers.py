@@ -4,6 +4,7 @@ a raw Criteo TSV prepared by ``recstack data prepare``, exported by ``recstack e
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = """
@@ -120,7 +122,8 @@ class ServerProcess:
         raise AssertionError(f"server not ready after {timeout}s:\n{self.output()}")
 
     def output(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log.read_text(errors="replace")[-4000:]
 
     def score(self, body: dict) -> httpx.Response:
@@ -147,6 +150,29 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def send_head(port: int, body: bytes) -> socket.socket:
+    """A connection on which a scoring request's headers and the first half of its body have been sent."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body[:len(body) // 2])
+    return sock
+
+
+def answer_of(sock: socket.socket) -> tuple[int, dict]:
+    """Read one HTTP response (the server closes the connection after it, or it has a Content-Length)."""
+    data = b""
+    while True:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        if sep:
+            length = [int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")]
+            if length and len(rest) >= length[0]:
+                return int(head.split(b" ")[1]), json.loads(rest[:length[0]])
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise AssertionError(f"connection closed after {data!r:.300}")
+        data += chunk
+
+
 @contextmanager
 def running(args: list[str], log: Path) -> Iterator[ServerProcess]:
     server = ServerProcess(args, log)
@@ -155,3 +181,9 @@ def running(args: list[str], log: Path) -> Iterator[ServerProcess]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One build_artifacts for every test module that imports this fixture and only reads the artifacts."""
+    return build_artifacts(tmp_path_factory.mktemp("shared_artifacts"))

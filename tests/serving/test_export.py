@@ -152,6 +152,9 @@ def test_bad_requests_name_the_field(ratings: dict[str, Path], tmp_path: Path) -
         ({**good[0], "num_ratings": float("inf")}, "num_ratings", "NaN or Inf"),
         ({**good[0], "movie_id": [1, 2]}, "movie_id", "several values"),
         ({**good[0], "history": {"a": 1}}, "history", "cannot hold"),
+        ({**good[0], "movie_id": 2**70}, "movie_id", "cannot hold"),  # past Arrow's int64
+        ({**good[0], "history": [1, 2**64]}, "history", "cannot hold"),
+        ({**good[0], "age": 1e300}, "age", "outside float32's range"),  # finite in JSON, not in float32
     ]
     for row, field, why in cases:
         with pytest.raises(RequestError, match=why) as e:
@@ -168,6 +171,9 @@ def test_bad_requests_name_the_field(ratings: dict[str, Path], tmp_path: Path) -
     with pytest.raises(RequestError, match="outside the table") as e:
         m.encode([{**ids, "device": 10**6}], ids=True)
     assert e.value.field == "device"
+    with pytest.raises(RequestError, match="outside float32's range") as e:
+        m.encode([{**ids, "age": -1e300}], ids=True)
+    assert e.value.field == "age"
 
 
 def test_tiered_checkpoint_exports(tiny_dataset: Path, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,14 +14,21 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from server_helpers import build_artifacts, raw_criteo_rows, request_rows, running
+from server_helpers import (  # noqa: F401 (shared_artifacts: a fixture)
+    answer_of,
+    raw_criteo_rows,
+    request_rows,
+    running,
+    send_head,
+    shared_artifacts,
+)
 
 from recstack.serving.model import ServingModel
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_artifacts(tmp_path_factory.mktemp("serve"))
+def artifacts(shared_artifacts) -> dict[str, Path]:  # noqa: F811
+    return shared_artifacts
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +79,23 @@ def test_one_user_many_candidates(server, artifacts) -> None:
 
 def test_concurrent_requests_each_get_their_own_scores(server, artifacts) -> None:
     batches_before = server.metric("recstack_batch_rows_count")
-    requests = [ROWS[i:i + 1 + i % 5] for i in range(24)]
-    with ThreadPoolExecutor(12) as pool:
-        answers = list(pool.map(lambda rows: server.score({"rows": rows}), requests))
-    for rows, r in zip(requests, answers, strict=True):
-        assert r.status_code == 200, r.text
-        np.testing.assert_allclose(r.json()["scores"], offline(artifacts, rows)[0], rtol=0, atol=1e-6)
+    requests = [ROWS[i:i + 1 + i % 5] for i in range(12)]
+    bodies = [json.dumps({"rows": rows}).encode() for rows in requests]
+    socks = [send_head(server.port, b) for b in bodies]  # twelve requests received, their bodies half read
+    try:
+        for _ in range(300):
+            if server.metric("recstack_requests_in_flight") == len(socks):
+                break
+            time.sleep(0.1)
+        for sock, body in zip(socks, bodies, strict=True):
+            sock.sendall(body[len(body) // 2:])
+        answers = [answer_of(sock) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    for rows, (status, out) in zip(requests, answers, strict=True):
+        assert status == 200, out
+        np.testing.assert_allclose(out["scores"], offline(artifacts, rows)[0], rtol=0, atol=1e-6)
     calls = server.metric("recstack_batch_rows_count") - batches_before
     assert 1 <= calls < len(requests)  # batched: fewer model calls than requests
 
