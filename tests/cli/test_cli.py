@@ -32,7 +32,7 @@ def test_every_command_has_a_help_page(argv: list[str], capsys: pytest.CaptureFi
     ("model.interaction=x", "model.interaction: 'x' is not one of dot, cat, dcn"),
     ("model.qr_operation=concat", "model.qr_operation: 'concat' is not one of mult, add"),
     ("optim.dense=true", "optim.dense: True is not one of sgd, adagrad, adam"),  # a choice is a string
-    ("optim.sparse=adam", "optim.sparse: 'adam' is not one of sgd, rowwise_adagrad"),
+    ("optim.sparse=lamb", "optim.sparse: 'lamb' is not one of sgd, rowwise_adagrad, adam"),
     ("dist.sharding=2", "dist.sharding: 2 is not one of data_parallel, table_wise, row_wise, column_wise, "
                         "table_row_wise"),
     ("dist.forward_codec=fp64", "dist.forward_codec: 'fp64' is not one of fp32, fp16, bf16, fp8, int8, eb"),
