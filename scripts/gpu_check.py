@@ -120,7 +120,7 @@ def step_env(a: argparse.Namespace) -> dict[str, Any]:
     from recstack.compression.eb import native
 
     mods = {}
-    for name in ("zstandard", "uvicorn", "starlette", "prometheus_client", "httpx", "pyarrow"):
+    for name in ("zstandard", "uvicorn", "starlette", "msgspec", "prometheus_client", "httpx", "pyarrow"):
         try:
             mods[name] = getattr(__import__(name), "__version__", "?")
         except ImportError:

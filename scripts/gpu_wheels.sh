@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-WHEELS=(zstandard==0.25.0 uvicorn==0.55.0 starlette==1.10.0)
+WHEELS=(zstandard==0.25.0 uvicorn==0.55.0 starlette==1.10.0 msgspec==0.23.0)
 mkdir -p .whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
