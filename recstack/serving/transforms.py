@@ -168,8 +168,8 @@ class FeatureTransforms:
 
     def _ids_by_column(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]] | None:
         """Vectorised ``encode_ids`` of rows whose values are all of the common form and in range; None when
-        any is not. One list and one array for all dense values, one for all ids (not one per feature):
-        a request of one row costs a handful of numpy calls instead of a few per feature."""
+        any is not. One list and one array for all dense values, one for all ids (not one per
+        feature): a request of one row costs a handful of numpy calls, not a few per feature."""
         if any(f["multi_hot"] or f["weighted"] for f in self.features):
             return None
         n, d, f = len(rows), len(self.dense_names), len(self.feature_names)
@@ -246,14 +246,18 @@ class FeatureTransforms:
         when any is wrong, ``_criteo_error`` goes field by field to name it."""
         n = len(rows)
         values = [r[name] for r in rows for name in DENSE_NAMES]
-        if not all(type(v) is int and -(10**18) < v < 10**18 or v is None for v in values):  # noqa: E721
+        big = 10**18
+        in_range = (type(v) is int and -big < v < big or v is None for v in values)  # noqa: E721
+        if not all(in_range):
             self._criteo_error(rows)
-        raw = np.array([0 if v is None else v for v in values], np.int64).reshape(n, len(DENSE_NAMES))
+        raw = np.array([0 if v is None else v for v in values], np.int64)
+        raw = raw.reshape(n, len(DENSE_NAMES))  # [B, 13]
         dense = transform_dense(raw, in_place=True)
-        keys = [r[name] for r in rows for name in SPARSE_NAMES]
+        texts = [r[name] for r in rows for name in SPARSE_NAMES]
         try:
-            cats = np.array([0 if v is None or v == "" else (int(v, 16) if _HEX.match(v) else _bad())
-                             for v in keys], np.int64).reshape(n, len(SPARSE_NAMES))
+            hexes = [0 if v is None or v == "" else (int(v, 16) if _HEX.match(v) else _bad())
+                     for v in texts]
+            cats = np.array(hexes, np.int64).reshape(n, len(SPARSE_NAMES))  # [B, 26]
         except (TypeError, ValueError):
             self._criteo_error(rows)
             raise
@@ -286,7 +290,8 @@ class FeatureTransforms:
                 if isinstance(v, float) and not math.isfinite(v):
                     raise RequestError("NaN or Inf is not a value", name, i)
                 if not (v is None or v == "" or isinstance(v, str) and _HEX.match(v)):
-                    raise RequestError(f"expected 1..8 hex digits, \"\" or null, got {v!r:.60}", name, i)
+                    raise RequestError(
+                        f"expected 1..8 hex digits, \"\" or null, got {v!r:.60}", name, i)
 
     def _schema(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
         sch, n = self.schema, len(rows)
