@@ -168,32 +168,28 @@ class FeatureTransforms:
 
     def _ids_by_column(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]] | None:
         """Vectorised ``encode_ids`` of rows whose values are all of the common form and in range; None when
-        any is not."""
+        any is not. One list and one array for all dense values, one for all ids (not one per
+        feature): a request of one row costs a handful of numpy calls, not a few per feature."""
         if any(f["multi_hot"] or f["weighted"] for f in self.features):
             return None
-        n = len(rows)
-        dense = np.empty((n, len(self.dense_names)), np.float64)
+        n, d, f = len(rows), len(self.dense_names), len(self.feature_names)
+        values = [r[name] for r in rows for name in self.dense_names]
+        if not all(type(v) is float or type(v) is int for v in values):  # noqa: E721 (no bool)
+            return None
+        keys = [r[name] for r in rows for name in self.feature_names]
+        if not all(type(v) is int for v in keys):  # noqa: E721
+            return None
         try:
-            for j, name in enumerate(self.dense_names):
-                col = [r[name] for r in rows]
-                if not all(type(v) is float or type(v) is int for v in col):  # noqa: E721 (no bool)
-                    return None
-                dense[:, j] = col
-            if not (np.abs(dense) <= _F32_MAX).all():  # NaN fails this too
-                return None
-            bags: Bags = []
-            ones = np.ones(n, np.int64)
-            for spec in self.features:
-                col = [r[spec["name"]] for r in rows]
-                if not all(type(v) is int for v in col):  # noqa: E721
-                    return None
-                ids = np.array(col, np.int64)
-                if ((ids < 0) | (ids >= spec["rows"])).any():
-                    return None
-                bags.append((ones, ids, None))
+            dense = np.array(values, np.float64).reshape(n, d)  # [B, d]
+            ids = np.array(keys, np.int64).reshape(n, f).T  # [F, B]
         except OverflowError:  # an integer past int64 / float64
             return None
-        return dense.astype(np.float32), bags, {}
+        if not (np.abs(dense) <= _F32_MAX).all():  # NaN fails this too
+            return None
+        if ((ids < 0) | (ids >= self.rows[:, None])).any():
+            return None
+        ones = np.ones(n, np.int64)
+        return dense.astype(np.float32), [(ones, ids[k], None) for k in range(f)], {}
 
     def encode_ids_each(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
         """``encode_ids`` value by value, naming the first bad one (RequestError)."""
@@ -245,34 +241,26 @@ class FeatureTransforms:
         return self._criteo(rows) if self.kind == "criteo" else self._schema(rows)
 
     def _criteo(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
+        """Raw Criteo rows -> (dense float32 [B, 13], bags, OOV counts). All values of a kind go
+        through one list and one array (a lone row costs a few numpy calls, not a few per field);
+        when any is wrong, ``_criteo_error`` goes field by field to name it."""
         n = len(rows)
-        raw = np.zeros((n, len(DENSE_NAMES)), np.int64)
-        for j, name in enumerate(DENSE_NAMES):
-            col = [r[name] for r in rows]
-            if all(type(v) is int and -(10**18) < v < 10**18 or v is None for v in col):  # noqa: E721 (no bool)
-                raw[:, j] = [0 if v is None else v for v in col]
-                continue
-            for i, v in enumerate(col):  # the first bad value, named
-                if isinstance(v, float) and not math.isfinite(v):
-                    raise RequestError("NaN or Inf is not a value", name, i)
-                if type(v) is not int and v is not None:  # noqa: E721
-                    raise RequestError(f"expected an integer or null, got {v!r:.60}", name, i)
-                if v is not None and abs(v) >= 10**18:
-                    raise RequestError("integer has more than 18 digits", name, i)
-        dense = transform_dense(raw)
-        cats = np.zeros((n, len(SPARSE_NAMES)), np.int64)
-        for j, name in enumerate(SPARSE_NAMES):
-            col = [r[name] for r in rows]
-            try:
-                cats[:, j] = [int(v, 16) if _HEX.match(v) else _bad() for v in col] if all(col) else [
-                    0 if v is None or v == "" else (int(v, 16) if _HEX.match(v) else _bad()) for v in col]
-            except (TypeError, ValueError):
-                for i, v in enumerate(col):
-                    if isinstance(v, float) and not math.isfinite(v):
-                        raise RequestError("NaN or Inf is not a value", name, i) from None
-                    if not (v is None or v == "" or isinstance(v, str) and _HEX.match(v)):
-                        raise RequestError(f"expected 1..8 hex digits, \"\" or null, got {v!r:.60}", name, i) from None
-                raise
+        values = [r[name] for r in rows for name in DENSE_NAMES]
+        big = 10**18
+        in_range = (type(v) is int and -big < v < big or v is None for v in values)  # noqa: E721
+        if not all(in_range):
+            self._criteo_error(rows)
+        raw = np.array([0 if v is None else v for v in values], np.int64)
+        raw = raw.reshape(n, len(DENSE_NAMES))  # [B, 13]
+        dense = transform_dense(raw, in_place=True)
+        texts = [r[name] for r in rows for name in SPARSE_NAMES]
+        try:
+            hexes = [0 if v is None or v == "" else (int(v, 16) if _HEX.match(v) else _bad())
+                     for v in texts]
+            cats = np.array(hexes, np.int64).reshape(n, len(SPARSE_NAMES))  # [B, 26]
+        except (TypeError, ValueError):
+            self._criteo_error(rows)
+            raise
         if self.mode == "hash":
             ids = cats % self.max_ind_range
             oov: dict[str, int] = {}
@@ -285,6 +273,25 @@ class FeatureTransforms:
             oov = {name: int(c) for name, c in zip(SPARSE_NAMES, unseen, strict=True)}
         ones = np.ones(n, np.int64)
         return dense, [(ones, ids[:, j], None) for j in range(len(SPARSE_NAMES))], oov
+
+    @staticmethod
+    def _criteo_error(rows: list[dict[str, Any]]) -> None:
+        """Raise RequestError naming the first bad value of raw Criteo rows (field by field)."""
+        for name in DENSE_NAMES:
+            for i, v in enumerate(r[name] for r in rows):
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise RequestError("NaN or Inf is not a value", name, i)
+                if type(v) is not int and v is not None:  # noqa: E721 (no bool)
+                    raise RequestError(f"expected an integer or null, got {v!r:.60}", name, i)
+                if v is not None and abs(v) >= 10**18:
+                    raise RequestError("integer has more than 18 digits", name, i)
+        for name in SPARSE_NAMES:
+            for i, v in enumerate(r[name] for r in rows):
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise RequestError("NaN or Inf is not a value", name, i)
+                if not (v is None or v == "" or isinstance(v, str) and _HEX.match(v)):
+                    raise RequestError(
+                        f"expected 1..8 hex digits, \"\" or null, got {v!r:.60}", name, i)
 
     def _schema(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
         sch, n = self.schema, len(rows)
