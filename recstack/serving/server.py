@@ -207,11 +207,11 @@ def serve(opts: ServeOptions, model: ServingModel | None, host: str, port: int, 
     """Run the server until SIGTERM or SIGINT, drain, then return its exit code (0 after a graceful shutdown).
     ``workers > 1``: the model (loaded here, before the fork) and the listening socket are shared by that many
     forked processes (``process.run_workers``), each batching its own requests and watching on its own."""
-    # httptools' parser and uvloop's event loop (uvicorn's "standard" extras, dependencies of
-    # recstack) rather than h11 and asyncio's loop: parsing and writing a request in C costs a lone
-    # request less (measured in docs/serving.md).
+    # uvicorn's "auto" takes httptools' parser and uvloop's event loop (dependencies of recstack)
+    # over h11 and asyncio's loop where they import: parsing and writing a request in C costs a lone
+    # request less (measured in docs/serving.md); an environment without them still serves.
     common: dict[str, Any] = {"host": host, "port": port, "access_log": False, "log_level": "info",
-                              "http": "httptools", "loop": "uvloop"}
+                              "http": "auto", "loop": "auto"}
     torch.set_num_threads(opts.threads)
     if workers == 1:
         app = create_app(opts, model)
