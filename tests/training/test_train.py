@@ -243,7 +243,7 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=f"{bad}.train.batch_size"):
         load_config(bad)
     with pytest.raises(ConfigError, match="optim.sparse"):
-        load_config(None, ["optim.sparse=adam"])
+        load_config(None, ["optim.sparse=lamb"])
     cfg = load_config(None, ["optim.dense_lr=1", "train.device=cpu"])
     assert cfg.optim.dense_lr == 1.0 and cfg.train.device == "cpu"
 
@@ -265,7 +265,7 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
         ("model.bottom_mlp=[0, 16]", "model.bottom_mlp"),
         ("model.top_mlp=[-4, 1]", "model.top_mlp"),
         ("model.dcn_layers=-1", "model.dcn_layers"),
-        ("model.dcn_low_rank=0", "model.dcn_low_rank"),
+        ("model.dcn_low_rank=-1", "model.dcn_low_rank"),  # 0 is full rank
         ("optim.dense_lr=-0.1", "optim.dense_lr"),
         ("optim.dense_lr=nan", "optim.dense_lr"),
         ("optim.sparse_lr=inf", "optim.sparse_lr"),
