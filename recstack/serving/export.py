@@ -37,7 +37,15 @@ from recstack.data.prepared_dataset import PreparedDataset
 from recstack.io import check_free_space
 from recstack.models.dlrm import DLRM
 from recstack.serving.artifact import ArtifactError, write_artifact
-from recstack.serving.quantized import LEVELS, WIDTHS, bytes_per_row, code_columns, open_group, write_table
+from recstack.serving.quantized import (
+    LEVELS,
+    WIDTHS,
+    GroupArrays,
+    bytes_per_row,
+    code_columns,
+    open_group,
+    write_table,
+)
 from recstack.serving.transforms import transforms_from_data
 from recstack.training.inference import check_data, load_model, run_directory
 
@@ -165,9 +173,6 @@ def table_layout(emb: Any, widths: dict[str, str]) -> TableLayout:
     return TableLayout(widths, files, entries)
 
 
-GroupArrays = dict[str, tuple[np.ndarray, np.ndarray | None]]  # group key -> (codes [rows, cols], scale_bias)
-
-
 def quantize_tables(emb: Any, layout: TableLayout, arrays: GroupArrays) -> None:
     """Quantize every table of ``emb`` into its rows of ``arrays`` (memory maps or in-memory arrays of the
     layout's shapes)."""
@@ -242,7 +247,7 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
         quantize_tables(emb, layout, maps)
         for pair in maps.values():
             for a in pair:
-                if a is not None:
+                if isinstance(a, np.memmap):
                     a.flush()
         write_transforms(tmp, doc, arrays)
         return artifact_manifest(cfg, model, data, layout, source)
