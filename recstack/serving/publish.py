@@ -13,8 +13,8 @@ delta_fraction, version, full). The model is put back into the train/eval mode i
 
 When a full artifact is written instead of a delta (``PublishSpec``): the first version; after ``full_every``
 deltas in a chain; when more than ``max_delta_fraction`` of all rows changed (a delta would be about as large);
-when the deltas since the last full artifact add up to more bytes than it (a server starting on the newest version
-reads at most about twice a full artifact); when the table layout changed.
+when the deltas since the last full artifact add up to more than ``chain_bytes_ratio`` times its bytes (a server
+starting on the newest version reads at most about 1 + that ratio full artifacts); when the table layout changed.
 """
 
 from __future__ import annotations
@@ -54,12 +54,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PublishSpec:
     """How versions are written: ``tables`` / ``table_widths`` as ``recstack export --tables / --table``; the
-    full-artifact rule's ``full_every`` (deltas in a chain at most) and ``max_delta_fraction`` (of all rows)."""
+    full-artifact rule's ``full_every`` (deltas in a chain at most), ``max_delta_fraction`` (of all rows) and
+    ``chain_bytes_ratio`` (the chain's bytes against its full artifact's)."""
 
     tables: str = "fp32"
     table_widths: tuple[str, ...] = ()
     full_every: int = 20
     max_delta_fraction: float = 0.25
+    chain_bytes_ratio: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,8 @@ class Publisher:
                  data: PreparedDataset | None = None, clock: Callable[[], float] = time.time) -> None:
         if not every_s >= 0:
             raise ValueError(f"publish every_s={every_s}: must be >= 0")
-        if spec.full_every < 0 or not 0 <= spec.max_delta_fraction <= 1:
-            raise ValueError(f"{spec}: full_every must be >= 0 and max_delta_fraction in [0, 1]")
+        if spec.full_every < 0 or not 0 <= spec.max_delta_fraction <= 1 or not spec.chain_bytes_ratio >= 0:
+            raise ValueError(f"{spec}: full_every and chain_bytes_ratio must be >= 0, max_delta_fraction in [0, 1]")
         self.root, self.every_s, self.spec, self.data, self.clock = Path(model_root), every_s, spec, data, clock
         self.root.mkdir(parents=True, exist_ok=True)  # a versions directory: versions 1, 2, ... inside
         self.newest_arrival: float | None = None  # of the partitions trained on so far
@@ -131,8 +133,10 @@ class Publisher:
             and self._layout.entries == layout.entries
         changed = changed_rows(arrays, self._arrays) if same_layout else {}
         n_changed = sum(len(r) for r in changed.values())
-        full = (not same_layout or self._base is None or self._chain >= self.spec.full_every
-                or n_changed > self.spec.max_delta_fraction * total or self._chain_bytes > self._full_bytes)
+        spec = self.spec
+        full = (not same_layout or self._base is None or self._chain >= spec.full_every
+                or n_changed > spec.max_delta_fraction * total
+                or self._chain_bytes > spec.chain_bytes_ratio * self._full_bytes)
         freshness = {"arrived_at": self.newest_arrival, "partition": self.newest_partition}
         was_training = model.training
 
