@@ -112,8 +112,9 @@ class Publisher:
             self.publish(trainer)
 
     # -- publishing ------------------------------------------------------------------------------------
-    def publish(self, trainer: Trainer) -> Published:
-        """Write the trainer's current model as the next version (full or delta by the rule) and log it."""
+    def publish(self, trainer: Trainer, full: bool = False) -> Published:
+        """Write the trainer's current model as the next version (full or delta by the rule; ``full``: a full
+        artifact whatever the rule says) and log it."""
         start = time.perf_counter()
         model, cfg = trainer.model, trainer.cfg
         data = self.data if self.data is not None else trainer.train_ds
@@ -134,7 +135,7 @@ class Publisher:
         changed = changed_rows(arrays, self._arrays) if same_layout else {}
         n_changed = sum(len(r) for r in changed.values())
         spec = self.spec
-        full = (not same_layout or self._base is None or self._chain >= spec.full_every
+        full = (full or not same_layout or self._base is None or self._chain >= spec.full_every
                 or n_changed > spec.max_delta_fraction * total
                 or self._chain_bytes > spec.chain_bytes_ratio * self._full_bytes)
         freshness = {"arrived_at": self.newest_arrival, "partition": self.newest_partition}
