@@ -13,8 +13,9 @@ Trainer on generated prepared data, trained a few steps and published into a ver
 
 Per version: its bytes and their ratio to the full artifact's, the changed rows' fraction, seconds to publish
 (quantize, compare, trace the dense program, write, fsync, rename), seconds from the rename to the server
-answering with it (``/readyz``; the watcher polls every 0.1 s), and the target "delta < 20% of a full artifact
-at < 10% of rows changed".
+answering with it (``/readyz``; the watcher polls every 0.1 s), seconds of ``ServingModel.load`` alone in this
+process (a full artifact read and verified, or a delta applied to the previous version), and the target
+"delta < 20% of a full artifact at < 10% of rows changed".
 
     python bench/publish.py [--quick] [--out bench/results/publish.json]
 """
@@ -42,6 +43,7 @@ if str(ROOT) not in sys.path:
 from recstack.config import load_config  # noqa: E402
 from recstack.data.format import SparseFeatureSpec  # noqa: E402
 from recstack.data.prepared_writer import PreparedWriter  # noqa: E402
+from recstack.serving.model import ServingModel  # noqa: E402
 from recstack.serving.publish import Publisher, PublishSpec  # noqa: E402
 from recstack.training.trainer import Trainer  # noqa: E402
 
@@ -146,13 +148,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         while not _up(server):
             time.sleep(0.1)
 
+        loaded: list[ServingModel] = []
+
         def publish(name: str, full: bool = False) -> dict[str, Any]:
             p = pub.publish(trainer, full=full)
             renamed = time.time()
             served = server.wait(p.version, renamed)
+            t0 = time.perf_counter()  # the server's load, here alone: a full read or a delta applied
+            loaded[:] = [ServingModel.load(p.path, base=None if p.full else loaded[0])]
             r = {"name": name, "version": p.version, "full": p.full, "bytes": p.bytes,
                  "changed_fraction": round(p.delta_fraction, 5), "publish_s": round(p.seconds, 3),
-                 "publish_to_served_s": round(served, 3)}
+                 "publish_to_served_s": round(served, 3), "load_s": round(time.perf_counter() - t0, 3)}
             results.append(r)
             print(json.dumps(r), file=sys.stderr)
             return r

@@ -34,6 +34,7 @@ from torch import nn
 from recstack import __version__
 from recstack.config import Config
 from recstack.data.prepared_dataset import PreparedDataset
+from recstack.embedding.collection import EmbeddingCollection
 from recstack.io import check_free_space
 from recstack.models.dlrm import DLRM
 from recstack.serving.artifact import ArtifactError, write_artifact
@@ -150,8 +151,8 @@ class TableLayout:
     entries: list[dict[str, Any]]
 
 
-def table_layout(emb: Any, widths: dict[str, str]) -> TableLayout:
-    """The layout of a collection's tables (``emb``: an ``EmbeddingCollection``) at ``widths``."""
+def table_layout(emb: EmbeddingCollection, widths: dict[str, str]) -> TableLayout:
+    """The layout of a collection's tables at ``widths``."""
     group = {t.name: widths[t.name] + (f"_d{t.embedding_dim}" if emb.mixed_dims else "") for t in emb.tables}
     files: dict[str, dict[str, Any]] = {}
     for w, dim in sorted({(widths[t.name], t.embedding_dim) for t in emb.tables},
@@ -173,7 +174,7 @@ def table_layout(emb: Any, widths: dict[str, str]) -> TableLayout:
     return TableLayout(widths, files, entries)
 
 
-def quantize_tables(emb: Any, layout: TableLayout, arrays: GroupArrays) -> None:
+def quantize_tables(emb: EmbeddingCollection, layout: TableLayout, arrays: GroupArrays) -> None:
     """Quantize every table of ``emb`` into its rows of ``arrays`` (memory maps or in-memory arrays of the
     layout's shapes)."""
     for e in layout.entries:

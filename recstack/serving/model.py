@@ -9,7 +9,13 @@ Contract (what ``recstack serve`` and any other caller build on)::
         memory and checked on the bytes read, never memory-mapped, so a file changed under a running server
         changes nothing it serves (``recstack serve --workers N`` loads once and forks: the workers share
         them); on another device they are copied there. Nothing is unpickled (see ``load_program``).
+    model = ServingModel.load(delta_dir, device, base=served_model)
+        A delta (``recstack.serving.delta``, written by ``publish.Publisher``) applied to the model it was made on
+        (its version and manifest checksum); any other base, or none, is an ArtifactError. ``served_model`` is
+        never modified: changed table groups are new arrays, unchanged ones are shared with it.
     model.version: int          the artifact's version (its directory number in a versions directory)
+    model.manifest_sha256: str  sha256 of its manifest file (what a delta names as its base)
+    model.groups                table group -> QuantizedRows (the stacked tables of one width)
     model.manifest: dict        the manifest (format, source checkpoint, model config, features, tables)
     model.path: Path            the artifact directory
     model.feature_names         the sparse features in model order (OOV counters are keyed by these)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from recstack.data.prepared_dataset import PreparedDataset
+from recstack.errors import ConfigError
 from recstack.serving.artifact import MANIFEST, write_artifact
 from recstack.serving.delta import changed_rows, write_delta_tables
 from recstack.serving.export import (
@@ -115,6 +116,9 @@ class Publisher:
     def publish(self, trainer: Trainer, full: bool = False) -> Published:
         """Write the trainer's current model as the next version (full or delta by the rule; ``full``: a full
         artifact whatever the rule says) and log it."""
+        if trainer.world > 1:
+            raise ConfigError(f"publishing to {self.root}: needs the tables whole in one process, this run has "
+                              f"{trainer.world} ranks (publish from a single-process run)")
         start = time.perf_counter()
         model, cfg = trainer.model, trainer.cfg
         data = self.data if self.data is not None else trainer.train_ds
