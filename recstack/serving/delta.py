@@ -144,10 +144,10 @@ def apply_delta(base_groups: dict[str, QuantizedRows], base_manifest: dict[str, 
                                     f"expected float16 {[len(rows), 2]}")
             sb = g.scale_bias.clone()
             sb[idx] = torch.from_numpy(new_sb).to(sb.device)
-        host_codes, host_sb = _host(data), _host(sb)
+        host_codes, host_sb = data.cpu().numpy(), _host(sb)
         for t in touched_tables(manifest["tables"], key, rows):
             want = delta["table_sha256"].get(t["name"])
-            if want is None or table_digest(host_codes, host_sb, t["offset"], t["rows"]) != want:  # type: ignore[arg-type]
+            if want is None or table_digest(host_codes, host_sb, t["offset"], t["rows"]) != want:
                 raise ArtifactError(f"{where}: table {t['name']!r} after the delta does not match its checksum "
                                     f"(a damaged delta, or a base other than the one it was made on)")
         out[key] = QuantizedRows(g.width, g.dim, data, sb, device)

@@ -82,7 +82,8 @@ class ModelHolder:
     async def poll(self, root: Path) -> None:
         """Switch to the newest state ``root`` offers: the newest full version that loads, then every delta
         after it in order."""
-        newer = [v for v in list_versions(root) if v not in self.refused and (self.current is None or v > self.version)]  # type: ignore[operator]
+        served = self.version
+        newer = [v for v in list_versions(root) if v not in self.refused and (served is None or v > served)]
         is_full = {v: peek_base(root / str(v)) is None for v in newer}
         start = 0
         for i in reversed(range(len(newer))):  # newest full first; a refused one leaves the older ones to try
