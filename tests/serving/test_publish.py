@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from recstack.serving.artifact import MANIFEST, ArtifactError
+from recstack.serving.artifact import MANIFEST, ArtifactError, sha256_file
 from recstack.serving.model import ServingModel
 from recstack.serving.publish import Publisher, PublishSpec
 from recstack.serving.watch import load_newest
@@ -158,7 +158,7 @@ def test_server_follows_deltas_refuses_damage_and_wrong_base_recovers_on_full(da
 
 def test_a_served_root_whose_newest_version_is_a_delta_starts_on_its_chain(data: Path, tmp_path: Path) -> None:
     """``recstack serve ROOT`` at start-up applies the deltas after the full version; a delta refuses a base of
-    the same number from another run (its manifest checksum)."""
+    the same number from another run (its manifest checksum) and rows that do not give the result's checksums."""
     trainer = trained(data, tmp_path / "run")
     root = tmp_path / "models"
     pub = Publisher(root, every_s=0.0, spec=PublishSpec(tables="int8"))
@@ -180,6 +180,19 @@ def test_a_served_root_whose_newest_version_is_a_delta_starts_on_its_chain(data:
     assert torch.equal(newest.score(newest.encode(rows, ids=True)), direct.score(direct.encode(rows, ids=True)))
     with running([str(root), "--watch", str(root)], tmp_path / "log") as s:
         assert scores(s, rows)[0] == 3
+
+    # rows changed after publishing, their file checksums made to match: the result's table checksum refuses them
+    forged = tmp_path / "forged"
+    shutil.copytree(root / "2", forged)
+    manifest = json.loads((forged / MANIFEST).read_text())
+    rel = manifest["delta"]["groups"]["int8"]["data"]
+    codes = np.load(forged / rel)
+    codes[0, 0] ^= 1
+    np.save(forged / rel, codes)
+    manifest["files"][rel] = {"sha256": sha256_file(forged / rel), "bytes": (forged / rel).stat().st_size}
+    (forged / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="does not match its checksum"):
+        ServingModel.load(forged, base=ServingModel.load(root / "1"))
 
     other = Publisher(tmp_path / "other", every_s=0.0, spec=PublishSpec(tables="int8"))
     other.publish(trainer)  # another version 1
