@@ -9,7 +9,11 @@ Trainer on generated prepared data, trained a few steps and published into a ver
   optimizer does to the rows a batch touched), one training step for the dense part, published as a delta;
 - ``trained_<k>steps``: k real training steps, published as a delta (the rows they touched, as found);
 - ``full_again``: a forced full version, so that the served times of a full load and of a delta apply are
-  measured on the same server.
+  measured on the same server;
+- ``freshness``: a stream of ``--partitions`` partitions of ``--partition-steps`` batches, each arriving when the
+  trainer is ready for it, handed to a ``Publisher(every_s=--every-s)`` (a full version, then deltas): the seconds
+  from each partition's arrival to the first served version trained on it, against the target of
+  ``--publish-every-s`` + 10 s (the stream source's own wait for a file is not part of it).
 
 Per version: its bytes and their ratio to the full artifact's, the changed rows' fraction, seconds to publish
 (quantize, compare, trace the dense program, write, fsync, rename), seconds from the rename to the server
@@ -43,8 +47,10 @@ if str(ROOT) not in sys.path:
 from recstack.config import load_config  # noqa: E402
 from recstack.data.format import SparseFeatureSpec  # noqa: E402
 from recstack.data.prepared_writer import PreparedWriter  # noqa: E402
+from recstack.serving.artifact import list_versions  # noqa: E402
 from recstack.serving.model import ServingModel  # noqa: E402
 from recstack.serving.publish import Publisher, PublishSpec  # noqa: E402
+from recstack.training.hooks import PartitionInfo  # noqa: E402
 from recstack.training.trainer import Trainer  # noqa: E402
 
 
@@ -108,6 +114,33 @@ def _up(server: Server) -> bool:
         return False
 
 
+def stream(trainer: Trainer, pub: Publisher, server: Server, steps: Any, partitions: int,
+           partition_steps: int) -> dict[str, Any]:
+    """Partitions of ``partition_steps`` batches, each arriving when the trainer is ready for it (no backlog),
+    handed to the publisher after it was trained on; a published version is waited for at the server. -> the
+    seconds from each partition's arrival to the first served version trained on it."""
+    arrivals: list[float] = []
+    reflected: list[float] = []
+    for i in range(partitions):
+        arrivals.append(time.time())
+        steps(partition_steps)
+        before = max(list_versions(pub.root), default=0)
+        pub.after_partition(trainer, PartitionInfo(f"part-{i:05d}", i, arrivals[-1], 64 * partition_steps,
+                                                   trainer.step))
+        if (version := max(list_versions(pub.root), default=0)) > before:
+            server.wait(version, time.time())
+            served_at = time.time()
+            reflected += [served_at - a for a in arrivals[len(reflected):]]
+    before = max(list_versions(pub.root), default=0)
+    pub.close(trainer)
+    if (version := max(list_versions(pub.root), default=0)) > before:
+        server.wait(version, time.time())
+    served_at = time.time()
+    reflected += [served_at - a for a in arrivals[len(reflected):]]
+    return {"every_s": pub.every_s, "partitions": partitions, "steps_per_partition": partition_steps,
+            "arrival_to_served_s": [round(x, 2) for x in reflected], "max_s": round(max(reflected), 2)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tables", type=int, default=8)
@@ -116,16 +149,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--width", default="fp32", help="table width of the artifacts (fp32, fp16, int8, int4)")
     ap.add_argument("--percents", type=float, nargs="+", default=[1.0, 5.0, 10.0])
     ap.add_argument("--steps", type=int, default=10, help="training steps of the trained_<k>steps delta")
+    ap.add_argument("--every-s", type=float, default=5.0, help="publishing cadence of the freshness stream")
+    ap.add_argument("--partitions", type=int, default=8, help="partitions of the freshness stream")
+    ap.add_argument("--partition-steps", type=int, default=10, help="batches of 64 rows per partition")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="a small model, for the test of this script")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.quick:
         args.tables, args.rows, args.percents, args.steps = 2, 2000, [5.0], 2
+        args.every_s, args.partitions, args.partition_steps = 1.0, 3, 2
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-publish-") as tmp_s:
         tmp = Path(tmp_s)
-        data = write_data(tmp / "data", 64 * 200, args.tables, args.rows)
+        data = write_data(tmp / "data", 64 * (20 + args.steps + args.partitions * args.partition_steps),
+                          args.tables, args.rows)
         cfg = load_config(None, [f'data.train="{data}"', f"model.embedding_dim={args.dim}",
                                  f"model.bottom_mlp=[64, {args.dim}]", "model.top_mlp=[64, 1]", "train.batch_size=64",
                                  "train.progress=false", "train.eval_every=0", "train.checkpoint_every=0",
@@ -179,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             steps(args.steps)
             publish(f"trained_{args.steps}steps")
             publish("full_again", full=True)
+            freshness = stream(trainer, Publisher(root, args.every_s, PublishSpec(tables=args.width)), server,
+                               steps, args.partitions, args.partition_steps)
         finally:
             server.stop()
     for r in results:
@@ -187,8 +227,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = {"model": {"tables": args.tables, "rows_per_table": args.rows, "dim": args.dim, "width": args.width,
                      "table_bytes": args.tables * args.rows * args.dim * 4 if args.width == "fp32" else None},
            "versions": results,
+           "freshness": freshness,
            "target": {"delta_under_20pct_of_full_below_10pct_rows": bool(deltas)
-                      and all(r["bytes_vs_full"] < 0.2 for r in deltas)},
+                      and all(r["bytes_vs_full"] < 0.2 for r in deltas),
+                      "partition_served_within_every_s_plus_10s": freshness["max_s"] <= args.every_s + 10},
            "torch_threads": args.threads, "cpu_count": os.cpu_count()}
     print(json.dumps(out, indent=1))
     if args.out:
