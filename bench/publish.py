@@ -10,8 +10,8 @@ Trainer on generated prepared data, trained a few steps and published into a ver
 - ``trained_<k>steps``: k real training steps, published as a delta (the rows they touched, as found);
 - ``full_again``: a forced full version, so that the served times of a full load and of a delta apply are
   measured on the same server;
-- ``freshness``: a stream of ``--partitions`` partitions of ``--partition-steps`` batches, each arriving when the
-  trainer is ready for it, handed to a ``Publisher(every_s=--every-s)`` (a full version, then deltas): the seconds
+- ``freshness``: a stream of ``--partitions`` partitions of ``--partition-steps`` batches, one every
+  ``--arrival-s`` seconds, handed to a ``Publisher(every_s=--every-s)`` (a full version, then deltas): the seconds
   from each partition's arrival to the first served version trained on it, against the target of
   ``--publish-every-s`` + 10 s (the stream source's own wait for a file is not part of it).
 
@@ -114,14 +114,17 @@ def _up(server: Server) -> bool:
         return False
 
 
-def stream(trainer: Trainer, pub: Publisher, server: Server, steps: Any, partitions: int,
-           partition_steps: int) -> dict[str, Any]:
-    """Partitions of ``partition_steps`` batches, each arriving when the trainer is ready for it (no backlog),
-    handed to the publisher after it was trained on; a published version is waited for at the server. -> the
-    seconds from each partition's arrival to the first served version trained on it."""
+def stream(trainer: Trainer, pub: Publisher, server: Server, steps: Any, partitions: int, partition_steps: int,
+           arrival_s: float) -> dict[str, Any]:
+    """Partitions of ``partition_steps`` batches arriving every ``arrival_s`` seconds (or when the trainer is ready
+    for the next one, if later), each handed to the publisher after it was trained on; a published version is
+    waited for at the server. -> the seconds from each partition's arrival to the first served version trained
+    on it."""
     arrivals: list[float] = []
     reflected: list[float] = []
+    t0, first = time.time(), max(list_versions(pub.root), default=0) + 1
     for i in range(partitions):
+        time.sleep(max(0.0, t0 + i * arrival_s - time.time()))
         arrivals.append(time.time())
         steps(partition_steps)
         before = max(list_versions(pub.root), default=0)
@@ -138,6 +141,7 @@ def stream(trainer: Trainer, pub: Publisher, server: Server, steps: Any, partiti
     served_at = time.time()
     reflected += [served_at - a for a in arrivals[len(reflected):]]
     return {"every_s": pub.every_s, "partitions": partitions, "steps_per_partition": partition_steps,
+            "arrival_every_s": arrival_s, "versions": max(list_versions(pub.root)) - first + 1,
             "arrival_to_served_s": [round(x, 2) for x in reflected], "max_s": round(max(reflected), 2)}
 
 
@@ -150,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--percents", type=float, nargs="+", default=[1.0, 5.0, 10.0])
     ap.add_argument("--steps", type=int, default=10, help="training steps of the trained_<k>steps delta")
     ap.add_argument("--every-s", type=float, default=5.0, help="publishing cadence of the freshness stream")
-    ap.add_argument("--partitions", type=int, default=8, help="partitions of the freshness stream")
+    ap.add_argument("--partitions", type=int, default=20, help="partitions of the freshness stream")
+    ap.add_argument("--arrival-s", type=float, default=1.0, help="seconds between the stream's partitions")
     ap.add_argument("--partition-steps", type=int, default=10, help="batches of 64 rows per partition")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="a small model, for the test of this script")
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.quick:
         args.tables, args.rows, args.percents, args.steps = 2, 2000, [5.0], 2
-        args.every_s, args.partitions, args.partition_steps = 1.0, 3, 2
+        args.every_s, args.partitions, args.partition_steps, args.arrival_s = 1.0, 3, 2, 0.5
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-publish-") as tmp_s:
         tmp = Path(tmp_s)
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             publish(f"trained_{args.steps}steps")
             publish("full_again", full=True)
             freshness = stream(trainer, Publisher(root, args.every_s, PublishSpec(tables=args.width)), server,
-                               steps, args.partitions, args.partition_steps)
+                               steps, args.partitions, args.partition_steps, args.arrival_s)
         finally:
             server.stop()
     for r in results:
