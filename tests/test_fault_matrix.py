@@ -172,6 +172,10 @@ Round 3, part A: crashes by signal, lost or wrong results, the metadata unpickle
     serving/test_server_lifecycle.py::test_table_files_changed_under_a_running_server_change_nothing
 - a misnumbered or refused version directory:
     serving/test_server_lifecycle.py::test_watcher_refuses_a_misnumbered_directory_once_and_no_refusal_blocks_newer
+- a damaged published delta, a delta on a base that is not in use (refused once, the old version served):
+    serving/test_publish.py::test_server_follows_deltas_refuses_damage_and_wrong_base_recovers_on_full
+- a delta on a base of the same number from another run, or with no base:
+    serving/test_publish.py::test_a_served_root_whose_newest_version_is_a_delta_starts_on_its_chain
 - SIGTERM with requests in flight / under keep-alive load:
     serving/test_server_lifecycle.py::test_sigterm_drains_answering_requests_in_flight_and_exits_0
     serving/test_server_lifecycle.py::test_sigterm_under_keep_alive_load_answers_every_request_sent

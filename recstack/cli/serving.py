@@ -86,6 +86,7 @@ def run_serve(args: argparse.Namespace) -> None:
     from recstack.serving.artifact import MANIFEST, ArtifactError, list_versions
     from recstack.serving.model import ServingModel
     from recstack.serving.server import ServeOptions, serve
+    from recstack.serving.watch import load_newest
     from recstack.training.config import check_device_name
 
     check_device_name(args.device, check_available=True, field="--device")
@@ -96,21 +97,18 @@ def run_serve(args: argparse.Namespace) -> None:
         if not value > 0:
             raise ConfigError(f"{flag} {value}: must be > 0")
     root = Path(args.model_dir)
+    model = None
     if (root / MANIFEST).is_file():
         model_dir = root
-    elif versions := list_versions(root):
-        model_dir = root / str(versions[-1])
+    elif versions := list_versions(root):  # the newest version, a delta applied on the versions it needs
+        model_dir, model = root / str(versions[-1]), load_newest(root, args.device)
     elif args.watch:  # nothing yet: not ready until the watcher finds a version
         model_dir = None
     else:
         raise ArtifactError(f"{root}: no serving artifact (no {MANIFEST}, no <version>/ with one)")
     # Loaded (and verified) here first, so that a broken artifact stops the command with its message.
-    model = None
-    if model_dir is not None:
+    if model_dir is not None and model is None:
         model = ServingModel.load(model_dir, args.device)
-        if model_dir != root and model.version != int(model_dir.name):
-            raise ArtifactError(f"{model_dir / MANIFEST}: version {model.version}, but the directory "
-                                f"says {model_dir.name} (a copied version directory?)")
     opts = ServeOptions(
         model_dir=str(model_dir or ""), device=args.device, max_batch=args.max_batch, max_wait_us=args.max_wait_us,
         max_rows=args.max_rows or args.max_batch, max_body_bytes=args.max_body_bytes, watch=args.watch,

@@ -23,6 +23,7 @@ import datetime as dt
 import io
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,19 @@ from torch import nn
 from recstack import __version__
 from recstack.config import Config
 from recstack.data.prepared_dataset import PreparedDataset
+from recstack.embedding.collection import EmbeddingCollection
 from recstack.io import check_free_space
 from recstack.models.dlrm import DLRM
 from recstack.serving.artifact import ArtifactError, write_artifact
-from recstack.serving.quantized import LEVELS, WIDTHS, bytes_per_row, open_group, write_table
+from recstack.serving.quantized import (
+    LEVELS,
+    WIDTHS,
+    GroupArrays,
+    bytes_per_row,
+    code_columns,
+    open_group,
+    write_table,
+)
 from recstack.serving.transforms import transforms_from_data
 from recstack.training.inference import check_data, load_model, run_directory
 
@@ -130,6 +140,92 @@ def find_training_data(cfg: Config, checkpoint: str | Path) -> Path:
                         f"{', '.join(map(str, candidates)) or 'nothing'}); pass --data DIR")
 
 
+@dataclass
+class TableLayout:
+    """Where every table's rows go in an artifact: ``files`` (manifest ``table_files``: one group per width, or
+    width and dim, the tables of a group stacked), ``entries`` (manifest ``tables``: each table's group and first
+    row in it) and ``widths`` (table -> width)."""
+
+    widths: dict[str, str]
+    files: dict[str, dict[str, Any]]
+    entries: list[dict[str, Any]]
+
+
+def table_layout(emb: EmbeddingCollection, widths: dict[str, str]) -> TableLayout:
+    """The layout of a collection's tables at ``widths``."""
+    group = {t.name: widths[t.name] + (f"_d{t.embedding_dim}" if emb.mixed_dims else "") for t in emb.tables}
+    files: dict[str, dict[str, Any]] = {}
+    for w, dim in sorted({(widths[t.name], t.embedding_dim) for t in emb.tables},
+                         key=lambda k: (WIDTHS.index(k[0]), k[1])):
+        key = w + (f"_d{dim}" if emb.mixed_dims else "")
+        rows = sum(t.num_embeddings for t in emb.tables if group[t.name] == key)
+        cols = code_columns(w, dim) if w in LEVELS else dim
+        dtype = {"fp32": "float32", "fp16": "float16"}.get(w, "uint8")
+        files[key] = {"width": w, "dim": dim, "data": f"tables/{key}.npy", "data_dtype": dtype,
+                      "data_shape": [rows, cols], "scale_bias": f"tables/{key}.sb.npy" if w in LEVELS else None}
+    entries: list[dict[str, Any]] = []
+    offsets = dict.fromkeys(files, 0)
+    for t in emb.tables:
+        w, key = widths[t.name], group[t.name]
+        entries.append({"name": t.name, "rows": t.num_embeddings, "dim": t.embedding_dim, "width": w,
+                        "group": key, "features": list(t.features), "offset": offsets[key],
+                        "bytes": t.num_embeddings * bytes_per_row(w, t.embedding_dim)})
+        offsets[key] += t.num_embeddings
+    return TableLayout(widths, files, entries)
+
+
+def quantize_tables(emb: EmbeddingCollection, layout: TableLayout, arrays: GroupArrays) -> None:
+    """Quantize every table of ``emb`` into its rows of ``arrays`` (memory maps or in-memory arrays of the
+    layout's shapes)."""
+    for e in layout.entries:
+        codes, sb = arrays[e["group"]]
+        try:
+            write_table(emb.table_weight(e["name"]), e["width"], codes, sb, e["offset"])
+        except ValueError as err:
+            raise ArtifactError(f"table {e['name']!r}: cannot store it as {e['width']}: {err}") from err
+
+
+def artifact_manifest(cfg: Config, model: DLRM, data: PreparedDataset, layout: TableLayout,
+                      source: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest of an artifact of ``model`` but its file list (``write_artifact`` adds it)."""
+    emb, m = model.embeddings, cfg.model
+    caps = model.feature_rows()
+    feats = [{"name": s.name, "table": s.table_name, "rows": s.num_embeddings, "capped_rows": caps[i],
+              "multi_hot": s.multi_hot, "pooling": s.pooling, "weighted": s.weighted}
+             for i, s in enumerate(data.sparse_features)]
+    qr = ({"collisions": m.qr_collisions, "threshold": m.qr_threshold, "operation": m.qr_operation}
+          if model.qr is not None else None)
+    fp32_bytes = sum(t.num_embeddings * bytes_per_row("fp32", t.embedding_dim) for t in emb.tables)
+    table_bytes = sum(e["bytes"] for e in layout.entries)
+    return {
+        "created": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "recstack_version": __version__, "torch_version": torch.__version__,
+        "source": {**(source or {}), "data": str(Path(data.path).resolve())},
+        "config": cfg.to_dict(),
+        "model": {"num_dense": model.num_dense, "dense_features": list(data.dense_features),
+                  "embedding_dim": m.embedding_dim if model.projection is not None else emb.embedding_dim,
+                  "interaction": m.interaction,
+                  "feature_table": list(emb.feature_table), "qr": qr,
+                  # per-table dims: the dense program takes the pooled features flat, each at its dim
+                  "feature_dims": list(emb.feature_dims) if model.projection is not None else None},
+        "features": feats,
+        "tables": layout.entries,
+        "table_files": layout.files,
+        "table_bytes": {"total": table_bytes, "fp32": fp32_bytes, "ratio": table_bytes / max(fp32_bytes, 1)},
+        "dense_program": {"file": PROGRAM_FILE, "inputs": ["pooled", "dense"] if model.num_dense else ["pooled"],
+                          "dynamic": {"batch": [1, None]}},
+        "transforms": TRANSFORMS_FILE,
+    }
+
+
+def write_transforms(tmp: Path, doc: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """``transforms.json`` and its arrays into an artifact being written."""
+    for rel, a in arrays.items():
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        np.save(tmp / rel, a, allow_pickle=False)
+    (tmp / TRANSFORMS_FILE).write_text(json.dumps(doc, allow_nan=False))
+
+
 def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Path, tables: str = "fp32",
                  table_widths: list[str] = (), source: dict[str, Any] | None = None) -> tuple[Path, int]:  # type: ignore[assignment]
     """Write the artifact of a loaded model (eval mode, any collection) trained on ``data`` (its meta.json
@@ -137,80 +233,29 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
     check_data(cfg, model, data)
     model = model.eval()
     emb = model.embeddings
-    names = [t.name for t in emb.tables]
-    widths = parse_table_widths(tables, list(table_widths), names)
-    caps = model.feature_rows()
-    feats = [{"name": s.name, "table": s.table_name, "rows": s.num_embeddings, "capped_rows": caps[i],
-              "multi_hot": s.multi_hot, "pooling": s.pooling, "weighted": s.weighted}
-             for i, s in enumerate(data.sparse_features)]
-    m = cfg.model
+    widths = parse_table_widths(tables, list(table_widths), [t.name for t in emb.tables])
+    layout = table_layout(emb, widths)
     doc, arrays = transforms_from_data(data)
-    qr = ({"collisions": m.qr_collisions, "threshold": m.qr_threshold, "operation": m.qr_operation}
-          if model.qr is not None else None)
 
     def fill(tmp: Path, version: int) -> dict[str, Any]:
         export_program(model, tmp / PROGRAM_FILE)
         (tmp / "tables").mkdir()
         # One file (and one scale/bias file) per width (and dim, with per-table dims), the tables of that group
         # stacked in table order: a lookup then gathers from one array per group, whatever the number of tables.
-        entries: list[dict[str, Any]] = []
-        files: dict[str, dict[str, Any]] = {}
-        offsets: dict[str, int] = {}
-        group = {t.name: widths[t.name] + (f"_d{t.embedding_dim}" if emb.mixed_dims else "") for t in emb.tables}
-        for w, dim in sorted({(widths[t.name], t.embedding_dim) for t in emb.tables},
-                             key=lambda k: (WIDTHS.index(k[0]), k[1])):
-            key = w + (f"_d{dim}" if emb.mixed_dims else "")
-            rows = sum(t.num_embeddings for t in emb.tables if group[t.name] == key)
-            data_rel, sb_rel = f"tables/{key}.npy", f"tables/{key}.sb.npy" if w in LEVELS else None
-            codes, sb = open_group(w, rows, dim, tmp / data_rel, tmp / sb_rel if sb_rel else Path())
-            files[key] = {"width": w, "dim": dim, "data": data_rel, "data_dtype": str(codes.dtype),
-                          "data_shape": list(codes.shape), "scale_bias": sb_rel, "maps": (codes, sb)}
-            offsets[key] = 0
-        for t in emb.tables:
-            w, key = widths[t.name], group[t.name]
-            codes, sb = files[key]["maps"]
-            try:
-                write_table(emb.table_weight(t.name), w, codes, sb, offsets[key])
-            except ValueError as e:
-                raise ArtifactError(f"table {t.name!r}: cannot store it as {w}: {e}") from e
-            entries.append({"name": t.name, "rows": t.num_embeddings, "dim": t.embedding_dim, "width": w,
-                            "group": key, "features": list(t.features), "offset": offsets[key],
-                            "bytes": t.num_embeddings * bytes_per_row(w, t.embedding_dim)})
-            offsets[key] += t.num_embeddings
-        for f in files.values():
-            for a in f.pop("maps"):
-                if a is not None:
+        maps = {key: open_group(f["width"], f["data_shape"][0], f["dim"], tmp / f["data"],
+                                tmp / f["scale_bias"] if f["scale_bias"] else Path())
+                for key, f in layout.files.items()}
+        quantize_tables(emb, layout, maps)
+        for pair in maps.values():
+            for a in pair:
+                if isinstance(a, np.memmap):
                     a.flush()
-        fp32_bytes = sum(t.num_embeddings * bytes_per_row("fp32", t.embedding_dim) for t in emb.tables)
-        for rel, a in arrays.items():
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            np.save(tmp / rel, a, allow_pickle=False)
-        (tmp / TRANSFORMS_FILE).write_text(json.dumps(doc, allow_nan=False))
-        table_bytes = sum(e["bytes"] for e in entries)
-        return {
-            "created": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "recstack_version": __version__, "torch_version": torch.__version__,
-            "source": {**(source or {}), "data": str(Path(data.path).resolve())},
-            "config": cfg.to_dict(),
-            "model": {"num_dense": model.num_dense, "dense_features": list(data.dense_features),
-                      "embedding_dim": m.embedding_dim if model.projection is not None else emb.embedding_dim,
-                      "interaction": m.interaction,
-                      "feature_table": list(emb.feature_table), "qr": qr,
-                      # per-table dims: the dense program takes the pooled features flat, each at its dim
-                      "feature_dims": list(emb.feature_dims) if model.projection is not None else None},
-            "features": feats,
-            "tables": entries,
-            "table_files": files,
-            "table_bytes": {"total": table_bytes, "fp32": fp32_bytes, "ratio": table_bytes / max(fp32_bytes, 1)},
-            "dense_program": {"file": PROGRAM_FILE, "inputs": ["pooled", "dense"] if model.num_dense else ["pooled"],
-                              "dynamic": {"batch": [1, None]}},
-            "transforms": TRANSFORMS_FILE,
-        }
+        write_transforms(tmp, doc, arrays)
+        return artifact_manifest(cfg, model, data, layout, source)
 
     # A lower bound of the artifact's bytes (tables, scales, dense weights, transform arrays),
     # checked before the export program is traced: the writes still handle ENOSPC, this saves work.
-    need = sum(t.num_embeddings * bytes_per_row(widths[t.name], t.embedding_dim)
-               for t in emb.tables)
+    need = sum(e["bytes"] for e in layout.entries)
     need += sum(p.numel() * p.element_size() for p in DenseProgram(model).parameters())
     need += sum(a.nbytes for a in arrays.values())
     check_free_space(out, need, "the artifact")

@@ -57,6 +57,13 @@ class ServerMetrics:
                                registry=r, multiprocess_mode="livesum" if self.shared else "all")
         self.version = Gauge("recstack_model_version", "Version of the model being served", registry=r,
                              multiprocess_mode="liveall" if self.shared else "all")
+        # Published versions (``publish.Publisher``) record when their newest training data arrived.
+        self.data_arrival = Gauge("recstack_model_data_arrival_timestamp_seconds", "Arrival time (Unix) of the "
+                                  "newest partition the served version was trained on", registry=r,
+                                  multiprocess_mode="liveall" if self.shared else "all")
+        self.freshness = Gauge("recstack_model_freshness_seconds", "Seconds from the arrival of the newest "
+                               "partition the served version was trained on to its swap-in", registry=r,
+                               multiprocess_mode="liveall" if self.shared else "all")
         self.swaps = Counter("recstack_model_swaps", "Newer model versions switched to", registry=r)
         self.refused = Counter("recstack_model_refused", "Model versions refused (failed to load or to verify)",
                                registry=r)

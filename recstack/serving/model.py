@@ -9,7 +9,13 @@ Contract (what ``recstack serve`` and any other caller build on)::
         memory and checked on the bytes read, never memory-mapped, so a file changed under a running server
         changes nothing it serves (``recstack serve --workers N`` loads once and forks: the workers share
         them); on another device they are copied there. Nothing is unpickled (see ``load_program``).
+    model = ServingModel.load(delta_dir, device, base=served_model)
+        A delta (``recstack.serving.delta``, written by ``publish.Publisher``) applied to the model it was made on
+        (its version and manifest checksum); any other base, or none, is an ArtifactError. ``served_model`` is
+        never modified: changed table groups are new arrays, unchanged ones are shared with it.
     model.version: int          the artifact's version (its directory number in a versions directory)
+    model.manifest_sha256: str  sha256 of its manifest file (what a delta names as its base)
+    model.groups                table group -> QuantizedRows (the stacked tables of one width)
     model.manifest: dict        the manifest (format, source checkpoint, model config, features, tables)
     model.path: Path            the artifact directory
     model.feature_names         the sparse features in model order (OOV counters are keyed by these)
@@ -39,6 +45,7 @@ Errors: ``ArtifactError`` and ``RequestError`` (``recstack.serving.artifact``), 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zipfile
 from dataclasses import dataclass, field
@@ -52,7 +59,8 @@ from torch.export.passes import move_to_device_pass
 from recstack.data.batch import SparseFeatures
 from recstack.embedding.qr import QRSplit
 from recstack.models.build import table_configs
-from recstack.serving.artifact import ArtifactError, RequestError, read_array, read_manifest
+from recstack.serving.artifact import MANIFEST, ArtifactError, RequestError, read_array, read_manifest
+from recstack.serving.delta import apply_delta, delta_base
 from recstack.serving.quantized import QuantizedEmbeddingCollection, QuantizedRows
 from recstack.serving.transforms import Bags, FeatureTransforms
 
@@ -143,20 +151,27 @@ def load_program(path: Path, device: torch.device) -> torch.nn.Module:
 class ServingModel:
     """See the module docstring for the contract."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any], device: torch.device, verify: bool = True) -> None:
+    def __init__(self, path: Path, manifest: dict[str, Any], device: torch.device, verify: bool = True,
+                 base: ServingModel | None = None, manifest_sha256: str = "") -> None:
         self.path, self.manifest, self.device, self.verify = path, manifest, device, verify
+        self.manifest_sha256 = manifest_sha256  # what a delta names as its base
         self.version = int(manifest["version"])
         m = manifest["model"]
         self.num_dense = int(m["num_dense"])
-        groups: list[QuantizedRows] = []
-        index: dict[str, int] = {}
-        # A group of tables per width, or per width and dim with per-table dims (artifacts written before
-        # those name the group by its width, their dim is the model's).
-        for key, f in manifest["table_files"].items():
-            data = self._array(f["data"], f["data_shape"], f["data_dtype"])
-            sb = self._array(f["scale_bias"], [f["data_shape"][0], 2], "float16") if f["scale_bias"] else None
-            index[key] = len(groups)
-            groups.append(QuantizedRows(f.get("width", key), int(f.get("dim", m["embedding_dim"])), data, sb, device))
+        if base is not None:  # a delta: the base's groups, the changed ones copied with their new rows
+            self.groups: dict[str, QuantizedRows] = apply_delta(base.groups, base.manifest, path, manifest,
+                                      lambda rel: read_array(path, manifest, rel, verify), device)
+        else:
+            self.groups = {}
+            # A group of tables per width, or per width and dim with per-table dims (artifacts written before
+            # those name the group by its width, their dim is the model's).
+            for key, f in manifest["table_files"].items():
+                data = self._array(f["data"], f["data_shape"], f["data_dtype"])
+                sb = self._array(f["scale_bias"], [f["data_shape"][0], 2], "float16") if f["scale_bias"] else None
+                self.groups[key] = QuantizedRows(f.get("width", key), int(f.get("dim", m["embedding_dim"])), data,
+                                                 sb, device)
+        groups = list(self.groups.values())
+        index = {key: i for i, key in enumerate(self.groups)}
         tables = manifest["tables"]
         slot = {f: t for t in tables for f in t["features"]}  # collection feature -> its table
         feats = range(len(slot))
@@ -174,7 +189,11 @@ class ServingModel:
         # small batches (batch 1: 0.9 ms a score with them, 0.35 ms without, measured), and the inputs are
         # built by score() below, so the constraints hold by construction.
         self._dense = self.program.forward
-        self.transforms = FeatureTransforms.load(path, manifest, lambda rel: read_array(path, manifest, rel, verify))
+        if base is not None and manifest["delta"].get("transforms") == "base":
+            self.transforms: FeatureTransforms = base.transforms  # unchanged since the base (read-only once loaded)
+        else:
+            self.transforms = FeatureTransforms.load(path, manifest,
+                                                     lambda rel: read_array(path, manifest, rel, verify))
         self.feature_names = self.transforms.feature_names
         self.raw_fields, self.id_fields = self.transforms.raw_fields, self.transforms.id_fields
 
@@ -186,12 +205,25 @@ class ServingModel:
         return a
 
     @staticmethod
-    def load(model_dir: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> ServingModel:
+    def load(model_dir: str | Path, device: str | torch.device = "cpu", verify: bool = True,
+             base: ServingModel | None = None) -> ServingModel:
+        """A full artifact, or a delta (``recstack.serving.delta``) applied to ``base``, the model it was made on
+        (a delta on any other base, or none, is an ArtifactError); ``base`` is never modified."""
         path = Path(model_dir)
         # Arrays are checked as they are read into memory (read_array), every other file here.
         manifest = read_manifest(path, verify, hashed_when_read=lambda rel: rel.endswith(".npy"))
+        sha = hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
         try:
-            return ServingModel(path, manifest, torch.device(device), verify)
+            want = delta_base(manifest)
+            if want is None:
+                base = None
+            elif base is None or base.version != want:
+                served = "no model" if base is None else f"version {base.version}"
+                raise ArtifactError(f"{path / MANIFEST}: a delta on version {want}, but the base in use is {served}")
+            elif base.manifest_sha256 != manifest["delta"]["base"]["manifest_sha256"]:
+                raise ArtifactError(f"{path / MANIFEST}: a delta on another version {want} than the one in use "
+                                    "(its manifest checksum differs)")
+            return ServingModel(path, manifest, torch.device(device), verify, base, sha)
         except (KeyError, TypeError) as e:
             raise ArtifactError(f"{path / 'manifest.json'}: incomplete manifest ({type(e).__name__}: {e})") from e
 

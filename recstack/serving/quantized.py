@@ -35,6 +35,7 @@ WIDTHS = ("fp32", "fp16", "int8", "int4")
 LEVELS = {"int8": 255, "int4": 15}
 FP16_MAX = 65504.0
 _CHUNK_ROWS = 1 << 18  # rows quantized at a time: bounded memory for any table size
+GroupArrays = dict[str, tuple[np.ndarray, "np.ndarray | None"]]  # table group -> (codes [rows, cols], scale_bias)
 
 
 def code_columns(width: str, dim: int) -> int:
@@ -132,8 +133,10 @@ def write_table(weight: torch.Tensor, width: str, data: np.ndarray, sb: np.ndarr
             sb[offset + lo : offset + lo + len(s)] = s
 
 
-def _tensor(a: np.ndarray) -> torch.Tensor:
+def _tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
     """A read-only memory map as a tensor (never written to: torch's warning about that does not apply)."""
+    if isinstance(a, torch.Tensor):
+        return a
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(a)
@@ -143,15 +146,15 @@ class QuantizedRows:
     """The rows of every table of one width, stacked (a table is a row range), memory-mapped read-only (one
     page-cache copy for every process that maps the file) or copied to ``device``."""
 
-    def __init__(self, width: str, dim: int, data: np.ndarray, scale_bias: np.ndarray | None,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(self, width: str, dim: int, data: np.ndarray | torch.Tensor,
+                 scale_bias: np.ndarray | torch.Tensor | None, device: torch.device | str = "cpu") -> None:
         if width not in WIDTHS:
             raise ValueError(f"width {width!r} is not one of {', '.join(WIDTHS)}")
         if (scale_bias is None) != (width not in LEVELS):
             raise ValueError(f"{width} rows {'need' if scale_bias is None else 'take no'} scale and bias")
         self.width, self.dim, self.num_rows = width, dim, int(data.shape[0])
         device = torch.device(device)
-        self.data = _tensor(data) if device.type == "cpu" else _tensor(data).to(device)
+        self.data = _tensor(data).to(device)  # a tensor already there (a delta's new rows) is taken as it is
         self.scale_bias = None if scale_bias is None else _tensor(scale_bias).to(device)
         # Codes gathered as float32 words (bits copied, never computed on) when a row is whole words; the
         # (scale, bias) pair of a row is one float32 word.
