@@ -317,10 +317,13 @@ class Trainer:
             bar.set_postfix(loss=f"{values['loss']:.4f}", samples_s=f"{values['samples_per_sec']:,.0f}")
         return loss
 
-    def _finish(self, final: dict[str, float], oracle: float | None) -> dict[str, Any]:
-        """``summary.json`` (rank 0) from the ``final`` evaluation; the logger closed. -> the summary."""
+    def _finish(self, final: dict[str, float], oracle: float | None, extra: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+        """``summary.json`` (rank 0) from the ``final`` evaluation and ``extra`` fields; the logger closed.
+        -> the summary."""
         summary = summarize(final, self.progress, self.world, self.cfg.train.target_auc, oracle, self._reliability)
         summary.update(self.validator.summary_fields())
+        summary.update(extra or {})
         if self.output_dir and self.is_main:
             write_summary(summary, self.output_dir, self.world > 1, self.cfg.dist.pipeline)
         self.logger.close()

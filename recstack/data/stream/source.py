@@ -90,19 +90,18 @@ class DirectoryStream:
         except OSError as e:
             raise StreamError(f"--stream {self.directory}: cannot list it ({e.strerror})") from e
         names = [e.name for e in entries if is_final_name(e.name) and e.is_file()]
-        late = [n for n in names if last is not None and n <= last and n not in self._warned]
+        late = [n for n in names if last is not None and n <= last and n not in self._seen]
         for n in late:
-            self._warned.add(n)
+            self._seen.add(n)
             print(f"stream: {self.directory / n} arrived after {last} was consumed (name order): skipped",
                   file=sys.stderr)
         return sorted(n for n in names if last is None or n > last)
 
     def partitions(self, after: StreamPosition | None = None) -> Iterator[Partition]:
         self.check()
-        self._warned: set[str] = set()
         last, index = (after.name, after.index + 1) if after is not None else (None, 0)
-        # Files at or before the resume position were consumed by the run that checkpointed it.
-        self._warned.update(n for n in os.listdir(self.directory) if last is not None and n <= last)
+        # consumed (here, or before the resume position by the run that checkpointed it), or warned about
+        self._seen: set[str] = {n for n in os.listdir(self.directory) if last is not None and n <= last}
         idle_since = time.monotonic()
         while True:
             ready = self._ready(last)
@@ -117,6 +116,7 @@ class DirectoryStream:
                     arrived = path.stat().st_ctime
                 except FileNotFoundError:  # removed since it was listed: it never counted
                     continue
+                self._seen.add(name)
                 yield Partition(name, index, arrived, path)
                 last, index = name, index + 1
             idle_since = time.monotonic()
