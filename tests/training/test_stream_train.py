@@ -158,3 +158,45 @@ def test_stream_errors_name_the_directory_or_line(shared_data: Path, tmp_path: P
     errors = [line for line in res.stderr.splitlines() if ": error: " in line]
     want = f"--stream {stream}: no such directory" if case == "missing_dir" else f"{stream / 'part-000'}:7: line has 41"
     assert len(errors) == 1 and want in errors[0], res.stderr[-3000:]
+
+
+SCHEMA = """
+[source]
+format = "csv"
+[label]
+column = "label"
+[[dense]]
+name = "I1"
+transform = "log1p"
+[[sparse]]
+name = "C1"
+encoding = "hash"
+hash_size = 97
+[[sparse]]
+name = "C2"
+encoding = "{encoding}"
+hash_size = 101
+"""
+
+
+def test_schema_stream(shared_data: Path, tmp_path: Path) -> None:
+    """CSV partitions read through a schema (hash encodings): the ids are the encoder's rows; a vocab encoding,
+    which needs statistics over a fixed set, is an error naming the feature."""
+    rows = [line.split("\t") for line in (shared_data / "criteo_kaggle_sample.tsv").read_text().splitlines()]
+    stream = tmp_path / "in"
+    stream.mkdir()
+    for i in range(2):
+        body = "".join(f"{r[0]},{r[1]},{r[14]},{r[15]}\n" for r in rows[i * 200 : (i + 1) * 200])
+        (stream / f"part-{i}.csv").write_text("label,I1,C1,C2\n" + body)
+    schema = tmp_path / "schema.toml"
+    schema.write_text(SCHEMA.format(encoding="hash"))
+    reader = partition_reader(str(schema), 0)
+    assert reader.layout.table_sizes == [97, 101] and reader.layout.reserved_rows == [1, 1]
+    trainer = StreamTrainer(small_config(None), DirectoryStream(stream, idle_s=0), reader, tmp_path / "run")
+    summary = trainer.train()
+    assert summary["partitions"] == 2 and summary["progressive_examples"] == 400
+    ids = reader.read(stream / "part-0.csv").ids
+    assert ids.shape == (200, 2) and 1 <= ids.min() and ids[:, 0].max() < 97
+    schema.write_text(SCHEMA.format(encoding="vocab"))
+    with pytest.raises(ValueError, match="sparse feature 'C2': a stream cannot use encoding 'vocab'"):
+        partition_reader(str(schema), 0)
