@@ -3,9 +3,12 @@
 Steps: read a batch -> forward -> BCE loss -> backward (embedding rows are updated inside backward by the
 collection's fused optimizer) -> dense optimizer step (``step.py``). Metrics go to ``metrics.jsonl`` and
 TensorBoard, checkpoints to ``<output_dir>/checkpoints`` (``checkpoint/``), the final evaluation to
-``summary.json`` and ``curves.png`` (``evaluate.py``). The rows come from ``recstack.data.sources``. With
-``train.early_stopping`` or ``optim.plateau_patience`` every evaluation goes to an ``early_stopping.Monitor``,
-which stops the run, reduces the learning rates and names the best checkpoint (kept in ``checkpoints/best/``).
+``summary.json`` and ``curves.png`` (``evaluate.py``). The rows come from ``recstack.data.sources``. The loop
+only orders the components: the log window (``logger.MetricsWindow``), the checkpoint cadence
+(``Checkpointer.maybe_save``) and what follows from losses and evaluations (``validate.Validator``: the divergence
+guard, ``train.target_auc``, the ``early_stopping.Monitor`` with the best checkpoint in ``checkpoints/best/``).
+``stream.StreamTrainer`` is this Trainer with a stream of partitions as its data (it overrides the ``_data*``,
+``_total_steps``, ``_attach_transforms``, ``_resume_steps`` and ``_train`` steps).
 """
 
 from __future__ import annotations
