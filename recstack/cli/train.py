@@ -105,7 +105,6 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
-
 def _stream_trainer(args: argparse.Namespace, cfg: Config) -> StreamTrainer:
     """The trainer of ``--stream``; a partition hook (a publisher) is added here with ``trainer.add_hook``."""
     from recstack.data.stream import DirectoryStream, partition_reader

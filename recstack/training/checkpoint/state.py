@@ -126,6 +126,9 @@ class LoaderState:
                              "shuffle_window": self.loader.shuffle_window}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "stream" in state:
+            raise ConfigError(f"resume: {state.get('path', 'the checkpoint')} was written by a stream run: resume it "
+                              "with recstack train --stream DIR --resume, or train into another --output-dir")
         self.loader.position = rebatched_position(state, self.loader, self.shuffle, self.announce)
 
 
