@@ -48,3 +48,8 @@ class ServiceFailure(RecstackError, RuntimeError):
 class TuneError(RecstackError, RuntimeError):
     """A tuning study cannot go on: its first trial failed (the recipe, the data or the space is wrong for this
     data), or its trials keep failing. The message names the trial and its log."""
+
+
+class StreamError(RecstackError, ValueError):
+    """A training stream cannot be followed: its directory is missing or not a directory, or a partition cannot
+    be read in the stream's format (the message names the directory or the file)."""

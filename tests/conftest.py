@@ -27,7 +27,8 @@ from recstack.data.format import SparseFeatureSpec
 from recstack.data.prepared_writer import PreparedWriter
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+# beside the checkout (../shared/data); RECSTACK_SHARED_DATA names it for a checkout elsewhere (a worktree)
+SHARED_DATA = Path(os.environ.get("RECSTACK_SHARED_DATA", REPO.parent / "shared" / "data"))
 if str(REPO) not in sys.path:  # the tests of bench/ scripts import them as ``bench.<script>``
     sys.path.insert(0, str(REPO))
 

@@ -6,10 +6,15 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from recstack.config import Config, load_config
 from recstack.errors import ConfigError, RecstackError
 from recstack.io import check_writable
+
+if TYPE_CHECKING:
+    from recstack.training.stream import StreamTrainer
+    from recstack.training.trainer import Trainer
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +33,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dump-a2a", metavar="DIR", help="save the pooled embeddings and gradients the all-to-all "
                    "carries, per table, at --dump-steps (for recstack analyze-a2a)")
     p.add_argument("--dump-steps", default="1", metavar="S1,S2", help="steps to capture (default 1)")
+    p.add_argument("--stream", metavar="DIR", help="train on the partitions arriving in DIR, each once in name "
+                   "order (hidden and temporary names are ignored until renamed), evaluating each before training "
+                   "on it (docs/streaming.md); raw Criteo TSV unless --schema")
+    p.add_argument("--stream-idle-s", type=float, default=60.0, metavar="S",
+                   help="with --stream: stop when no new partition arrived for S seconds (default 60)")
+    p.add_argument("--schema", metavar="SCHEMA.toml", help="with --stream: the partitions' format (Parquet, "
+                   "CSV/TSV, libFM; hash or identity encodings)")
     p.set_defaults(func=run)
 
 
@@ -63,8 +75,14 @@ def run(args: argparse.Namespace) -> dict:
         print(f"recstack train: warning: train.checkpoint_every={every} but no "
               "--output-dir: no checkpoint (nor metrics.jsonl or summary.json) is saved; pass "
               "--output-dir DIR to keep them", file=sys.stderr)
-    trainer = Trainer(cfg, args.output_dir, resume=args.resume, overwrite=args.overwrite,
-                      resume_on_new_data=args.resume_on_new_data)
+    if args.stream:
+        trainer: Trainer = _stream_trainer(args, cfg)
+    else:
+        if args.schema:
+            raise ConfigError("--schema: only with --stream (a fixed set is prepared first: recstack data prepare "
+                              "--schema)")
+        trainer = Trainer(cfg, args.output_dir, resume=args.resume, overwrite=args.overwrite,
+                          resume_on_new_data=args.resume_on_new_data)
     try:
         summary = trainer.train()
     finally:
@@ -72,6 +90,9 @@ def run(args: argparse.Namespace) -> dict:
     if not trainer.is_main:
         return summary
     print(json.dumps(summary, indent=2))
+    if args.stream:
+        print(f"stream: {summary['partitions']} partitions, progressive {_figures(_progressive(summary))}")
+        return summary
     if summary.get("auc") is None:  # no evaluation rows
         print("final eval: none (no evaluation rows)")
         return summary
@@ -83,3 +104,19 @@ def run(args: argparse.Namespace) -> dict:
         print(f"best eval: step {summary['best_step']}  {_figures(summary['best'])}")
     return summary
 
+
+def _stream_trainer(args: argparse.Namespace, cfg: Config) -> StreamTrainer:
+    """The trainer of ``--stream``; a partition hook (a publisher) is added here with ``trainer.add_hook``."""
+    from recstack.data.stream import DirectoryStream, partition_reader
+    from recstack.training.stream import StreamTrainer
+
+    if args.resume_on_new_data:
+        raise ConfigError("--resume-on-new-data: not for a stream (--resume continues after the last partition)")
+    source = DirectoryStream(args.stream, args.stream_idle_s)
+    source.check()  # a missing directory: an error now, not after the model is built
+    reader = partition_reader(args.schema, cfg.model.max_table_size)
+    return StreamTrainer(cfg, source, reader, args.output_dir, resume=args.resume, overwrite=args.overwrite)
+
+
+def _progressive(summary: dict) -> dict:
+    return {k: summary.get(f"progressive_{k}") for k in ("auc", "logloss", "ne")}

@@ -17,13 +17,13 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from recstack.data.batch import Batch
 from recstack.data.order import EpochOrder, shuffle_mode
-from recstack.data.prepared_dataset import PreparedDataset
 
 
 @dataclass
@@ -49,10 +49,37 @@ class LoaderPosition:
         )
 
 
+class RowSet(Protocol):
+    """What a loader reads rows from: a prepared set (``PreparedDataset``), or a stream's partition in memory
+    (``recstack.data.stream.PartitionRows``)."""
+
+    def __len__(self) -> int: ...
+
+    def has(self, name: str) -> bool: ...
+
+    def batch(self, start: int, end: int, extras: tuple[str, ...] = ()) -> Batch: ...
+
+    def gather(self, rows: np.ndarray, extras: tuple[str, ...] = ()) -> Batch: ...
+
+
+def cap_ids(batch: Batch, caps: torch.Tensor) -> None:
+    """The one place where ids become rows of ordinary tables, in place: feature f's ids modulo ``caps[f]``
+    (``model.max_table_size``, or a stream's table sizes). A cap of 0 leaves that feature's ids as they are (a
+    dynamic id table maps raw ids to rows in a loader transform instead). The ids as read stay on the batch as
+    ``batch.raw_ids``."""
+    s = batch.sparse
+    per_id = caps.repeat_interleave(s.ids_per_feature)  # B may be 0 (a short last batch)
+    batch.raw_ids = s.ids
+    if bool((caps > 0).all()):
+        s.ids = torch.remainder(s.ids, per_id)
+    else:
+        s.ids = torch.where(per_id > 0, torch.remainder(s.ids, per_id.clamp(min=1)), s.ids)
+
+
 class BatchLoader:
     def __init__(
         self,
-        dataset: PreparedDataset,
+        dataset: RowSet,
         batch_size: int,
         row_range: tuple[int, int] | None = None,
         shuffle: bool | str = False,
@@ -79,7 +106,7 @@ class BatchLoader:
         self.extras = tuple(e for e in extras if dataset.has(e))
         self.table_caps = (
             torch.tensor(table_caps, dtype=torch.int64) if table_caps is not None else None
-        )  # [F] rows per table after capping; ids are taken modulo
+        )  # [F] rows per table after capping; ids are taken modulo (cap_ids)
         self.rank, self.world_size = rank, world_size
         self.prefetch = prefetch
         # Runs in the prefetch thread; a model's is composed by recstack.distributed.pipeline.InputPipeline.
@@ -127,9 +154,7 @@ class BatchLoader:
             batch = self.ds.gather(np.sort(piece[lo:hi]), self.extras)
         batch.global_rows = b - a
         if self.table_caps is not None:
-            s = batch.sparse
-            caps = self.table_caps.repeat_interleave(s.ids_per_feature)  # B may be 0 (a short last batch)
-            s.ids = torch.remainder(s.ids, caps)
+            cap_ids(batch, self.table_caps)
         return self.transform(batch) if self.transform is not None else batch
 
     def _advance(self, row: int) -> None:

@@ -1,8 +1,7 @@
-"""What a training loop tells the components that follow it: a partition of a stream was trained on.
+"""The seam a stream run offers at every partition boundary: a ``PartitionHook`` is called after each partition
+was evaluated, trained on and checkpointed (a publisher exports the model there), and once at the end.
 
-A stream loop calls every ``PartitionHook`` after each partition it trained on (``after_partition``) and once at
-the end (``close``); a fixed-set loop may call them at its own boundaries. The hooks own their cadence (a
-publisher decides itself whether enough time passed to publish again).
+Register one with ``StreamTrainer.add_hook(hook)`` (``recstack.training.stream``) before ``train()``.
 """
 
 from __future__ import annotations
@@ -16,10 +15,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PartitionInfo:
-    """One partition the trainer has just trained on.
-
-    name: its file name; index: its position in the stream (0, 1, ...); arrived_at: ``time.time()`` when it
-    appeared under its final name; rows: its rows; step: the trainer's step after training on it."""
+    """The partition just consumed. ``name``: its stable name (the stream position); ``index``: 0-based;
+    ``arrived_at``: ``time.time()`` when it appeared under its final name; ``rows``: rows trained on; ``step``:
+    the run's step after training on it (the step of the checkpoint that records it)."""
 
     name: str
     index: int
@@ -29,6 +27,10 @@ class PartitionInfo:
 
 
 class PartitionHook(Protocol):
-    def after_partition(self, trainer: Trainer, info: PartitionInfo) -> None: ...
+    def after_partition(self, trainer: Trainer, info: PartitionInfo) -> None:
+        """After the partition's checkpoint; the model holds the weights trained on it. Errors stop the run."""
+        ...
 
-    def close(self, trainer: Trainer) -> None: ...
+    def close(self, trainer: Trainer) -> None:
+        """Once, when the stream ended (idle), after the last partition's hooks."""
+        ...

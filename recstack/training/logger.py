@@ -171,3 +171,44 @@ def truncate_jsonl(path: Path | str, step: int) -> list[dict[str, Any]]:
             lines.append(line.strip() + "\n")
     atomic_write_text(path, "".join(lines), sync_dir=False)
     return kept
+
+
+class MetricsWindow:
+    """The training figures between two log lines: mean loss, samples/s, loader wait and step time per step.
+
+    ``samples_per_step``: global rows of a full step (batch size x world size), the samples/s numerator.
+    Time spent outside the steps is left out of ``time_data_wait`` by ``exclude_pause`` (a checkpoint: still in
+    samples/s) or ``restart_clock`` (an evaluation: out of samples/s too)."""
+
+    def __init__(self, samples_per_step: int) -> None:
+        self.samples_per_step = samples_per_step
+        self.loss, self.n, self.wait, self.step_time = 0.0, 0, 0.0, 0.0
+        self.t0 = self.tick = time.perf_counter()
+
+    def add(self, loss: float, started: float) -> float:
+        """One step that began (the loader's batch in hand) at ``started`` (perf_counter) and just ended with
+        ``loss`` -> its seconds since the previous step ended (data wait + step: the run's training time)."""
+        now = time.perf_counter()
+        spent = now - self.tick
+        self.wait += started - self.tick  # waiting for the loader
+        self.step_time += now - started
+        self.tick = now
+        self.loss += loss
+        self.n += 1
+        return spent
+
+    def exclude_pause(self) -> None:
+        """The time since the last step (a checkpoint) is not the next step's data wait."""
+        self.tick = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        """As ``exclude_pause``, and samples/s starts counting from now (after an evaluation)."""
+        self.t0 = self.tick = time.perf_counter()
+
+    def take(self) -> tuple[dict[str, float], int]:
+        """-> (the window's figures, its steps), and a new window starts. Call after at least one ``add``."""
+        now, n = time.perf_counter(), self.n
+        values = {"loss": self.loss / n, "samples_per_sec": n * self.samples_per_step / max(now - self.t0, 1e-9),
+                  "time_data_wait": self.wait / n, "time_step": self.step_time / n}
+        self.loss, self.n, self.wait, self.step_time, self.t0 = 0.0, 0, 0.0, 0.0, now
+        return values, n

@@ -3,9 +3,12 @@
 Steps: read a batch -> forward -> BCE loss -> backward (embedding rows are updated inside backward by the
 collection's fused optimizer) -> dense optimizer step (``step.py``). Metrics go to ``metrics.jsonl`` and
 TensorBoard, checkpoints to ``<output_dir>/checkpoints`` (``checkpoint/``), the final evaluation to
-``summary.json`` and ``curves.png`` (``evaluate.py``). The rows come from ``recstack.data.sources``. With
-``train.early_stopping`` or ``optim.plateau_patience`` every evaluation goes to an ``early_stopping.Monitor``,
-which stops the run, reduces the learning rates and names the best checkpoint (kept in ``checkpoints/best/``).
+``summary.json`` and ``curves.png`` (``evaluate.py``). The rows come from ``recstack.data.sources``. The loop
+only orders the components: the log window (``logger.MetricsWindow``), the checkpoint cadence
+(``Checkpointer.maybe_save``) and what follows from losses and evaluations (``validate.Validator``: the divergence
+guard, ``train.target_auc``, the ``early_stopping.Monitor`` with the best checkpoint in ``checkpoints/best/``).
+``stream.StreamTrainer`` is this Trainer with a stream of partitions as its data (it overrides the ``_data*``,
+``_total_steps``, ``_attach_transforms``, ``_resume_steps`` and ``_train`` steps).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from recstack.distributed import agreement, parallelize
 from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.sparse_optim import sparse_optimizer_config
-from recstack.errors import ConfigError, DivergenceError, PeerFailure
+from recstack.errors import ConfigError, PeerFailure
 from recstack.io import atomic_write_text
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
@@ -50,15 +53,8 @@ from recstack.training.checkpoint.state import (
 )
 from recstack.training.divergence import DivergenceGuard
 from recstack.training.early_stopping import Monitor
-from recstack.training.evaluate import (
-    evaluate_loader,
-    figures,
-    oracle_auc,
-    select_metrics,
-    summarize,
-    write_summary,
-)
-from recstack.training.logger import MetricsLogger
+from recstack.training.evaluate import evaluate_loader, oracle_auc, summarize, write_summary
+from recstack.training.logger import MetricsLogger, MetricsWindow
 from recstack.training.lr_schedule import LRScaler, LRSchedule
 from recstack.training.step import (
     Progress,
@@ -69,6 +65,7 @@ from recstack.training.step import (
     seed_everything,
     set_tf32,
 )
+from recstack.training.validate import Validator
 
 
 class Trainer:
@@ -101,10 +98,9 @@ class Trainer:
         self._data(resume and not resume_on_new_data)
         # Sharded runs build the tables on "meta" (shapes only); _parallelize builds this rank's shards.
         self.model: DLRM = build_model(
-            cfg.model, sparse_optimizer_config(cfg.optim), len(self.train_ds.dense_features), self.table_sizes,
-            seed=t.seed, device=self.device, names=self.train_ds.table_names, memory=cfg.memory,
-            tables_on_meta=self.world > 1, batch_size=t.batch_size,
-            zero_rows=[s.reserved_rows for s in self.train_ds.sparse_features])
+            cfg.model, sparse_optimizer_config(cfg.optim), self.num_dense, self.table_sizes, seed=t.seed,
+            device=self.device, names=self.table_names, memory=cfg.memory, tables_on_meta=self.world > 1,
+            batch_size=t.batch_size, zero_rows=self.zero_rows)
         self.compression = CompressionRuntime(cfg.compression, cfg.dist.forward_codec, cfg.dist.backward_codec,
                                               cfg.train.batch_size, self.output_dir, self.rank, self.world)
         self.net: torch.nn.Module = self.model  # what the step calls: the model, or DDP around it
@@ -116,23 +112,25 @@ class Trainer:
         schedule = LRSchedule(o.lr_warmup_steps, o.lr_decay_start_step, o.lr_decay_steps)
         active = schedule.active or o.plateau_patience > 0
         self.lr = LRScaler(schedule, self.optimizer, self.model) if active else None
-        self.total_steps = t.max_steps or t.epochs * len(self.train_loader)
+        self.total_steps = self._total_steps()
         self.progress = Progress()
         self.guard = DivergenceGuard(t.divergence_factor, t.divergence_window, self.world, self.device)
-        self._saved_at: int | None = None  # the step of the last checkpoint this run wrote
         self._reliability: dict[str, list[Any]] | None = None  # of the latest evaluation
         # The monitor's state is in the checkpoint only when it is used: other runs' checkpoints stay as they were.
         selection: list[Stateful] = [self.monitor] if self.monitor.active else []
+        data, position = self._data_states(resume_on_new_data)
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints" if self.output_dir else None, self.model.embeddings, self.world,
-            self.device, keep=t.keep_checkpoints,
-            replicated=[DataRecord(self.data_record, resume_on_new_data, self.is_main),
-                        ModelState(self.model, self.world > 1, self.device), Keyed("dense_optimizer", self.optimizer),
-                        LoaderState(self.train_loader, t.shuffle, self.is_main), self.progress, RNGState(),
-                        RunInfo(cfg.to_dict(), self.model.num_dense, self.table_sizes, self.train_ds.table_names,
-                                self.world), self.guard, *selection],
+            self.device, keep=t.keep_checkpoints, every=t.checkpoint_every,
+            replicated=[*data, ModelState(self.model, self.world > 1, self.device),
+                        Keyed("dense_optimizer", self.optimizer), *position, self.progress, RNGState(),
+                        RunInfo(cfg.to_dict(), self.model.num_dense, self.table_sizes, self.table_names, self.world),
+                        self.guard, *selection],
             rank_local=[CompressionState(self.compression, self.device)],
         )
+        self.validator = Validator(t.target_auc, self.guard, self.monitor, self.lr, self.progress,
+                                   self.checkpointer, self.model, self.is_main)
+        self.checkpointer.before_save = self.validator.check_weights
         if resume:
             self._resume()
         if self.output_dir and self.is_main:  # after the resume check: a refused resume leaves the run as it was
@@ -164,6 +162,8 @@ class Trainer:
                       file=sys.stderr)
         train_range = (0, eval_range[0]) if self.eval_ds is self.train_ds else (0, len(self.train_ds))
         self.data_record = data_record(cfg.data, self.train_ds, train_range)
+        self.num_dense, self.table_names = len(self.train_ds.dense_features), self.train_ds.table_names
+        self.zero_rows = [s.reserved_rows for s in self.train_ds.sparse_features]
         self.table_sizes = capped_table_sizes(self.train_ds.table_sizes, cfg.model.max_table_size)
         caps = self.table_sizes if cfg.model.max_table_size > 0 else None
         self.train_loader = BatchLoader(self.train_ds, t.batch_size, train_range, shuffle=t.shuffle, seed=t.seed,
@@ -180,6 +180,16 @@ class Trainer:
         self.eval_loader = BatchLoader(self.eval_ds, t.eval_batch_size, eval_range, drop_last=False, table_caps=caps,
                                        extras=("probability",), rank=self.rank, world_size=self.world)
 
+    def _data_states(self, resume_on_new_data: bool) -> tuple[list[Stateful], list[Stateful]]:
+        """The checkpointed state of the data: what the run trains on (checked first on a resume) and where it
+        is in it (loaded after the model and optimizer)."""
+        return ([DataRecord(self.data_record, resume_on_new_data, self.is_main)],
+                [LoaderState(self.train_loader, self.cfg.train.shuffle, self.is_main)])
+
+    def _total_steps(self) -> int:
+        t = self.cfg.train
+        return t.max_steps or t.epochs * len(self.train_loader)
+
     def _parallelize(self) -> None:
         """Under torchrun, the tables sharded by the plan (or ``dist.sharding``) and the dense part in DDP; then,
         for any world size, the loaders' transforms, set once (``recstack.distributed.pipeline``): the
@@ -189,6 +199,9 @@ class Trainer:
         if self.world > 1:
             self._shard()
         self.input_pipeline = InputPipeline(self.model, self.device, pipelined=self.world > 1 and d.pipeline)
+        self._attach_transforms()
+
+    def _attach_transforms(self) -> None:
         self.train_loader.transform = self.input_pipeline.train_transform
         self.eval_loader.transform = self.input_pipeline.eval_transform
 
@@ -215,38 +228,17 @@ class Trainer:
         if state is None:
             print("resume: no checkpoint found, starting from scratch")
             return
+        self._resume_steps()
+        print(f"resume: continuing from {state['path']} (step {self.step})")
+        self.validator.resumed()
+
+    def _resume_steps(self) -> None:
         if not self.cfg.train.max_steps:  # train.epochs: the epochs left, in batches of the size used now
             self.total_steps = self.step + self.train_loader.batches_until(self.cfg.train.epochs)
-        print(f"resume: continuing from {state['path']} (step {self.step})")
-        m = self.monitor
-        if self.lr is not None:
-            self.lr.reduction = m.lr_factor
-        if m.stops and m.best_step is not None and self.checkpointer.best_step() != m.best_step:
-            # Stopped between writing the best checkpoint and linking it: link it now.
-            ckpt = self.checkpointer.checkpoint_at(m.best_step)
-            if ckpt is not None:
-                self.checkpointer.mark_best(ckpt, m.best_step, m.best, self.is_main)
-            elif self.is_main:
-                print(f"resume: the best checkpoint (step {m.best_step}) is gone; the best from here on is kept",
-                      file=sys.stderr)
 
     def save(self) -> Path | None:
         """A checkpoint of this step, unless a weight is not finite (then a DivergenceError). Collective."""
-        if self.checkpointer.directory is not None:
-            why = self.guard.check_weights(self.model)
-            if why is not None:
-                self._diverged(f"step {self.step}: {why}", self.step)
-        self._saved_at = self.step
         return self.checkpointer.save(self.step)
-
-    def _diverged(self, why: str, weights_step: int) -> None:
-        """Stop the run: the weights after ``weights_step`` steps diverged, so a checkpoint of them is set aside
-        (``<name>.diverged``: --resume and eval take the newest before it) and the error names it. Collective under
-        torchrun."""
-        aside = self.checkpointer.set_aside(weights_step, ".diverged", self.is_main)
-        note = f"; its checkpoint was set aside as {aside}" if aside is not None else ""
-        raise DivergenceError(f"training diverged at {why}{note}. Lower the learning rates (optim.dense_lr, "
-                              "optim.sparse_lr) or check the data; train.divergence_factor=0 turns the level check off")
 
     # -- loop ------------------------------------------------------------------------------------------
     def train_step(self, batch: Batch) -> float:
@@ -276,92 +268,65 @@ class Trainer:
             ) from e
 
     def _train(self) -> dict[str, Any]:
-        t, p = self.cfg.train, self.progress
+        t, p, v = self.cfg.train, self.progress, self.validator
         self.net.train()
-        bar = tqdm(total=self.total_steps, initial=p.step, disable=not (t.progress and self.is_main),
-                   unit="step", dynamic_ncols=True)
-        window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, time.perf_counter(), 0.0, 0.0
-        tick = window_t0  # train_seconds counts data wait + steps, not evaluation or checkpoints
-        reached: dict[str, float] | None = None  # the evaluation that reached train.target_auc or stopped the run
-        final_saved = False
-        m = self.monitor
-        while p.step < self.total_steps and reached is None and p.target_step is None and m.stopped_step is None:
+        bar = self._bar(self.total_steps)
+        window = MetricsWindow(t.batch_size * self.world)
+        stop: dict[str, float] | None = None  # the evaluation that reached train.target_auc or stopped the run
+        while p.step < self.total_steps and stop is None and not v.finished:
             epoch = self.train_loader.iterate_epoch(limit=self.total_steps - p.step)
             for batch in self.input_pipeline.batches(epoch, self.train_loader):
-                self.compression.begin_step(p.step)
-                lr_factor = self.lr.set_step(p.step) if self.lr is not None else None
-                started = time.perf_counter()
-                loss = self.train_step(batch)
-                now = time.perf_counter()
-                p.train_seconds += now - tick
-                window_wait += started - tick  # waiting for the loader
-                window_step += now - started
-                tick = now
-                why = self.guard.check_loss(loss)  # collective under torchrun: every rank stops alike
-                if why is not None:
-                    self._diverged(f"step {p.step + 1}: {why}", p.step)  # the weights this loss was computed with
-                p.step += 1
-                p.samples += batch.global_rows or batch.batch_size * self.world  # global samples
-                window_loss += loss
-                window_n += 1
-                bar.update(1)
-                if p.step % t.log_every == 0 or p.step == self.total_steps:
-                    now = time.perf_counter()
-                    sps = window_n * t.batch_size * self.world / max(now - window_t0, 1e-9)
-                    values = {"loss": window_loss / window_n, "samples_per_sec": sps,
-                              "time_data_wait": window_wait / window_n, "time_step": window_step / window_n}
-                    if lr_factor is not None:  # the schedule's factor at the window's last step
-                        values["lr_factor"] = lr_factor
-                    # bytes and seconds per collective, cache counters, since the last log line
-                    values.update({k: v / window_n for k, v in self.model.embeddings.pop_counters().items()})
-                    values.update(self.compression.metrics(window_n))  # eb: ratio, codec time, bounds in force
-                    self.logger.log(p.step, "train", values)
-                    bar.set_postfix(loss=f"{window_loss / window_n:.4f}", samples_s=f"{sps:,.0f}")
-                    window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, now, 0.0, 0.0
+                self._step(batch, window, bar, p.step + 1 == self.total_steps)
                 if t.eval_every and self.has_eval and p.step % t.eval_every == 0 and p.step < self.total_steps:
-                    result = self.evaluate()  # on every rank the same (gathered) figures, so all stop together
-                    self._check_eval(result)
-                    self.logger.log(p.step, "eval", result)
-                    if self.is_main:  # one line each, as the final one (above the progress bar)
-                        tqdm.write(f"eval at step {p.step}: {figures(result)}")
-                    if self._reached_target(result):
-                        reached = result
-                    saved = self._select(result)  # after target_step is set: a checkpoint it writes records it
-                    tick = window_t0 = time.perf_counter()
-                    if m.stopped_step is not None:
-                        reached = result
-                        if self.is_main:
-                            print(f"early stopping at step {p.step}: eval {m.metric} has not improved for "
-                                  f"{m.patience} evaluations (best {m.best_value:.6f} at step {m.best_step})")
-                else:
-                    saved = False
-                last = p.step >= self.total_steps or reached is not None  # the final checkpoint follows the loop
-                if t.checkpoint_every and p.step % t.checkpoint_every == 0 and not saved and not last:
-                    self.save()
-                    tick = time.perf_counter()
-                if p.step >= self.total_steps or reached is not None:
-                    break
+                    stop = v.validate(self.evaluate(), self.logger)
+                    window.restart_clock()
+                if p.step >= self.total_steps or stop is not None:
+                    break  # the final checkpoint follows the loop
+                if self.checkpointer.maybe_save(p.step, last=False):
+                    window.exclude_pause()
         bar.close()
-        if reached is not None:
-            final = reached
-        elif self.has_eval:
-            final = self.evaluate()
-            self._check_eval(final)  # before the final checkpoint
-            new = not any(r["step"] == p.step and r["kind"] == "eval" for r in self.logger.kept)
-            if new:
-                self.logger.log(p.step, "eval", final)  # (a finished run resumed has it already)
-            self._reached_target(final)  # the last evaluation counts too
-            if new and m.active and m.stopped_step is None and self._select(final, final=True):
-                final_saved = True
-        else:
-            final = {}  # no evaluation rows: no metrics
-        # Once per step: a run that stopped at an evaluation which saved (a new best) has its final checkpoint.
-        if not final_saved and not (reached is not None and self._saved_at == p.step):
-            self.save()
+        if stop is None and self.has_eval:
+            stop = self.evaluate()
+            v.final(stop, self.logger)  # before the final checkpoint
+        self.checkpointer.maybe_save(p.step, last=True)  # once per step: a stop on a new best has its checkpoint
         oracle = oracle_auc(self.eval_ds, (self.eval_loader.start, self.eval_loader.end)) if self.has_eval else None
-        summary = summarize(final, p, self.world, t.target_auc, oracle, self._reliability)
-        if m.stops:
-            summary.update(best_step=m.best_step, best=select_metrics(m.best), stopped_step=m.stopped_step)
+        return self._finish(stop or {}, oracle)  # no evaluation rows: no metrics
+
+    def _bar(self, total: int | None) -> tqdm:
+        return tqdm(total=total, initial=self.progress.step, unit="step", dynamic_ncols=True,
+                    disable=not (self.cfg.train.progress and self.is_main))
+
+    def _step(self, batch: Batch, window: MetricsWindow, bar: tqdm, last: bool) -> float:
+        """One training step counted, and the log line of its window when due (every ``train.log_every`` steps,
+        and at the ``last``) -> the step's loss."""
+        p = self.progress
+        self.compression.begin_step(p.step)
+        lr_factor = self.lr.set_step(p.step) if self.lr is not None else None
+        started = time.perf_counter()
+        loss = self.train_step(batch)
+        p.train_seconds += window.add(loss, started)  # data wait + steps, not evaluation or checkpoints
+        self.validator.check_loss(loss)  # collective under torchrun: every rank stops alike
+        p.step += 1
+        p.samples += batch.global_rows or batch.batch_size * self.world  # global samples
+        bar.update(1)
+        if p.step % self.cfg.train.log_every == 0 or last:
+            values, n = window.take()
+            if lr_factor is not None:  # the schedule's factor at the window's last step
+                values["lr_factor"] = lr_factor
+            # bytes and seconds per collective, cache counters, since the last log line
+            values.update({k: v / n for k, v in self.model.embeddings.pop_counters().items()})
+            values.update(self.compression.metrics(n))  # eb: ratio, codec time, bounds in force
+            self.logger.log(p.step, "train", values)
+            bar.set_postfix(loss=f"{values['loss']:.4f}", samples_s=f"{values['samples_per_sec']:,.0f}")
+        return loss
+
+    def _finish(self, final: dict[str, float], oracle: float | None, extra: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+        """``summary.json`` (rank 0) from the ``final`` evaluation and ``extra`` fields; the logger closed.
+        -> the summary."""
+        summary = summarize(final, self.progress, self.world, self.cfg.train.target_auc, oracle, self._reliability)
+        summary.update(self.validator.summary_fields())
+        summary.update(extra or {})
         if self.output_dir and self.is_main:
             write_summary(summary, self.output_dir, self.world > 1, self.cfg.dist.pipeline)
         self.logger.close()
@@ -374,43 +339,7 @@ class Trainer:
         self._reliability = metrics.reliability()
         return metrics.compute()
 
-    def _check_eval(self, result: dict[str, float]) -> None:
-        why = self.guard.check_eval(result.get("logloss"))
-        if why is not None:
-            self._diverged(f"the evaluation of step {self.step}: {why}", self.step)
-
-    def _select(self, result: dict[str, float], final: bool = False) -> bool:
-        """Give the evaluation ``result`` of this step to the monitor: a new best is saved as a checkpoint and
-        kept (with early stopping), a plateau lowers the learning rates. -> whether a checkpoint was saved.
-        Collective under torchrun (every rank has the same ``result``, so all save alike)."""
-        m = self.monitor
-        if not m.active:
-            return False
-        best = m.update(self.step, result)
-        if self.lr is not None and self.lr.reduction != m.lr_factor:
-            self.lr.reduction = m.lr_factor
-            if self.is_main and not final:
-                print(f"step {self.step}: eval {m.metric} has not improved for {m.plateau_patience} evaluations; "
-                      f"learning rates x{m.lr_factor:g}")
-        if not (best and m.stops):
-            return False
-        path = self.save()
-        if path is not None:
-            self.checkpointer.mark_best(path, self.step, select_metrics(result), self.is_main)
-        return True
-
     def close(self) -> None:
         """Release what the run holds besides memory: the cached embedding tiers' prefetch thread and table files.
         The model cannot look up cached rows afterwards."""
         self.model.embeddings.close()
-
-    def _reached_target(self, result: dict[str, float]) -> bool:
-        """Whether this evaluation reaches train.target_auc for the first time (recorded as target_step)."""
-        t, p = self.cfg.train, self.progress
-        if not t.target_auc or p.target_step is not None or result["auc"] < t.target_auc:
-            return False
-        p.target_step = p.step
-        if self.is_main:
-            print(f"reached train.target_auc={t.target_auc:g} at step {p.step} ({p.samples} samples)")
-        return True
-

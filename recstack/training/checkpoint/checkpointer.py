@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -57,15 +58,32 @@ BEST_FILE = "best.json"  # beside it: {"step", "checkpoint" (relative to the che
 
 class Checkpointer:
     """``replicated``: components whose state every rank holds alike (rank 0 writes it); ``rank_local``: each
-    rank's own. Components load in the order given. ``directory`` None: nothing is saved or resumed."""
+    rank's own. Components load in the order given. ``directory`` None: nothing is saved or resumed.
+    ``every``: ``train.checkpoint_every`` (0 = only at the end), the cadence of ``maybe_save``.
+    ``before_save(step)``: called before every checkpoint written (the divergence guard's weight check, which
+    raises rather than let diverged weights be saved)."""
 
     def __init__(self, directory: Path | None, embeddings: EmbeddingCollection, world: int, device: torch.device,
-                 replicated: list[Stateful], rank_local: list[Stateful], keep: int = 0) -> None:
+                 replicated: list[Stateful], rank_local: list[Stateful], keep: int = 0, every: int = 0,
+                 before_save: Callable[[int], None] | None = None) -> None:
         self.directory, self.embeddings, self.world, self.device = directory, embeddings, world, device
         self.replicated, self.rank_local, self.keep = replicated, rank_local, keep
+        self.every, self.before_save = every, before_save
+        self.saved_at: int | None = None  # the step of the last checkpoint this run wrote
+
+    def maybe_save(self, step: int, last: bool) -> bool:
+        """The checkpoint cadence: a checkpoint of ``step`` when it is a multiple of ``every`` or the run's
+        ``last``, unless this step has one already (an evaluation's best) -> whether one was due. Collective."""
+        if self.saved_at == step or not (last or (self.every and step % self.every == 0)):
+            return False
+        self.save(step)
+        return True
 
     def save(self, step: int) -> Path | None:
         """Collective under torchrun. -> the checkpoint written (None without a directory)."""
+        if self.directory is not None and self.before_save is not None:
+            self.before_save(step)
+        self.saved_at = step
         if self.directory is None:
             return None
         state = _collect(self.replicated)

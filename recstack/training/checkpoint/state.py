@@ -1,6 +1,6 @@
 """The checkpointed components, each exposing its state the same way (torchtitan's ``Stateful``): the model,
-the dense optimizer, the data position, the RNGs, the run's description and the compression runtime (the
-progress counters are ``recstack.training.step.Progress``).
+the dense optimizer, the data position (a stream's too), the RNGs, the run's description and the compression
+runtime (the progress counters are ``recstack.training.step.Progress``).
 
 The on-disk format (keys and files, see ``single.py`` and ``sharded.py``) predates the components and stays as
 it was, so a component's ``state_dict()`` is its part of the checkpoint's top-level keys, and its
@@ -19,8 +19,10 @@ import torch
 
 from recstack.compression.runtime import CompressionRuntime
 from recstack.data.loader import BatchLoader
+from recstack.data.stream.source import StreamPosition
 from recstack.embedding.collection import EmbeddingCollection
 from recstack.errors import ConfigError
+from recstack.metrics import BinaryMetrics
 from recstack.models.dlrm import DLRM
 from recstack.training.checkpoint.resume import rebatched_position
 
@@ -124,6 +126,9 @@ class LoaderState:
                              "shuffle_window": self.loader.shuffle_window}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "stream" in state:
+            raise ConfigError(f"resume: {state.get('path', 'the checkpoint')} was written by a stream run: resume it "
+                              "with recstack train --stream DIR --resume, or train into another --output-dir")
         self.loader.position = rebatched_position(state, self.loader, self.shuffle, self.announce)
 
 
@@ -153,6 +158,31 @@ class RunInfo:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class StreamState:
+    """``stream``: where a stream run is: ``position``, the last partition consumed (its name and index; None
+    before the first), and ``progressive``, the accumulated progressive-validation predictions of every partition
+    so far (``BinaryMetrics.state``: 8 bytes a row), so a resumed run's running aggregate is the uninterrupted
+    run's."""
+
+    def __init__(self) -> None:
+        self.position: StreamPosition | None = None
+        self.progressive = BinaryMetrics()
+
+    def state_dict(self) -> dict[str, Any]:
+        pos = self.position
+        return {"stream": {"position": None if pos is None else {"name": pos.name, "index": pos.index},
+                           "progressive": self.progressive.state()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("stream")
+        if not isinstance(saved, dict):
+            raise ConfigError(f"resume: {state.get('path', 'the checkpoint')} was not written by a stream run "
+                              "(no stream position); resume it without --stream, or train into another --output-dir")
+        pos = saved.get("position")
+        self.position = None if pos is None else StreamPosition(str(pos["name"]), int(pos["index"]))
+        self.progressive = BinaryMetrics.from_state(saved["progressive"])
 
 
 class CompressionState:

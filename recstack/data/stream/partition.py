@@ -1,0 +1,127 @@
+"""A stream's partition as rows in memory: labels float32 [n], dense float32 [n, D], sparse ids int64 [n, F].
+
+Two formats, as ``recstack data prepare`` reads them:
+
+* raw Criteo TSV (plain or gzip), read by ``CriteoReader``: the 26 categorical fields stay the raw 32-bit hash
+  values (int64); the ids become rows of ordinary tables only in the loader (``recstack.data.loader.cap_ids``,
+  modulo the table size: ``model.max_table_size``, else ``DEFAULT_TABLE_ROWS``);
+* a schema format (``--schema``: Parquet, CSV/TSV, libFM) with ``hash`` or ``identity`` encodings, which need no
+  statistics: the ids are the encoder's rows. ``vocab`` tables and ``standardize`` need statistics learned over
+  a fixed training set, and multi-hot bags are not streamed yet: each is an error naming the feature.
+
+A bad line is an error naming the file and line (the readers' own errors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from recstack.data.batch import Batch, SparseFeatures
+from recstack.data.prepare.criteo import DENSE_NAMES, SPARSE_NAMES, CriteoReader
+from recstack.data.prepare.encode import Encoder, EncodingState, parse_chunk
+from recstack.data.prepare.readers import open_source
+from recstack.data.prepare.readers.base import BadRowLog
+from recstack.data.prepare.schema import RESERVED_ROWS, Schema, SchemaError, load_schema
+from recstack.errors import StreamError
+
+DEFAULT_TABLE_ROWS = 20000  # a raw Criteo stream's rows per table without model.max_table_size (configs/demo.toml)
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """What a model built for the stream needs, per feature: dense feature names; the table each sparse feature
+    looks up (shared tables repeat), its rows, and its reserved rows (missing / out of vocabulary, start at 0)."""
+
+    dense_names: list[str]
+    table_names: list[str]
+    table_sizes: list[int]
+    reserved_rows: list[int]
+
+
+class PartitionRows:
+    """One partition's rows in memory (a ``recstack.data.loader.RowSet``): ``labels`` float32 [n], ``dense``
+    float32 [n, D], ``ids`` int64 [n, F] as read (raw)."""
+
+    def __init__(self, labels: np.ndarray, dense: np.ndarray, ids: np.ndarray) -> None:
+        self.labels, self.dense, self.ids = labels, dense, ids
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def has(self, name: str) -> bool:
+        return False  # no extra columns
+
+    def batch(self, start: int, end: int, extras: tuple[str, ...] = ()) -> Batch:
+        return self.gather(np.arange(start, end), extras)
+
+    def gather(self, rows: np.ndarray, extras: tuple[str, ...] = ()) -> Batch:
+        """Rows ``rows`` as a Batch (one id per feature)."""
+        return Batch(dense=torch.from_numpy(self.dense[rows]),
+                     sparse=SparseFeatures.from_dense_ids(torch.from_numpy(self.ids[rows])),
+                     labels=torch.from_numpy(self.labels[rows]))
+
+
+class PartitionReader(Protocol):
+    layout: StreamLayout
+
+    def read(self, path: Path) -> PartitionRows: ...
+
+
+class CriteoPartitions:
+    """Raw Criteo TSV partitions; every table has ``table_rows`` rows."""
+
+    def __init__(self, table_rows: int) -> None:
+        self.layout = StreamLayout(list(DENSE_NAMES), list(SPARSE_NAMES), [table_rows] * len(SPARSE_NAMES),
+                                   [0] * len(SPARSE_NAMES))
+
+    def read(self, path: Path) -> PartitionRows:
+        chunks = list(CriteoReader(path))  # a bad line: CriteoFormatError naming file, line and field
+        return PartitionRows(np.concatenate([c.labels for c in chunks]).astype(np.float32),
+                             np.concatenate([c.dense for c in chunks]).astype(np.float32),
+                             np.concatenate([c.sparse for c in chunks]).astype(np.int64))
+
+
+class SchemaPartitions:
+    """Partitions in a schema's format (``hash`` and ``identity`` encodings, one value per feature)."""
+
+    def __init__(self, schema: Schema) -> None:
+        for s in schema.sparse:
+            if s.encoding == "vocab":
+                raise SchemaError(f"{schema.origin}: sparse feature {s.name!r}: a stream cannot use encoding "
+                                  "'vocab' (its vocabulary is learned over a fixed training set); use 'hash' "
+                                  "(hash_size rows) or 'identity'")
+            if s.multi_hot:
+                raise SchemaError(f"{schema.origin}: sparse feature {s.name!r}: multi-hot features are not "
+                                  "streamed (one value per feature)")
+        for d in schema.dense:
+            if d.transform == "standardize":
+                raise SchemaError(f"{schema.origin}: dense feature {d.name!r}: a stream cannot use transform "
+                                  "'standardize' (its mean and deviation are learned over a fixed training set); "
+                                  "use 'log1p' or 'none'")
+        self.schema, self.encoder = schema, Encoder(schema, EncodingState())
+        self.layout = StreamLayout([d.name for d in schema.dense], [s.table_name for s in schema.sparse],
+                                   [self.encoder.num_embeddings(s) for s in schema.sparse],
+                                   [RESERVED_ROWS[s.encoding] for s in schema.sparse])
+
+    def read(self, path: Path) -> PartitionRows:
+        source = open_source(path, self.schema.source, 65536, BadRowLog())  # a bad row: DataError, file and line
+        parts = [self.encoder.encode(parse_chunk(raw, self.schema, source.log))
+                 for raw in source.chunks(self.schema.input_columns())]
+        if not parts or not sum(len(p["labels"]) for p in parts):
+            raise StreamError(f"{path}: no rows")
+        return PartitionRows(np.concatenate([p["labels"] for p in parts]).astype(np.float32),
+                             np.concatenate([p["dense"] for p in parts]).astype(np.float32),
+                             np.concatenate([p["sparse"] for p in parts]).astype(np.int64))
+
+
+def partition_reader(schema: str | None, max_table_size: int) -> PartitionReader:
+    """The reader of a stream: ``schema`` (a schema TOML file) for the schema formats, else raw Criteo TSV with
+    ``max_table_size`` rows a table (0: ``DEFAULT_TABLE_ROWS``)."""
+    if schema:
+        return SchemaPartitions(load_schema(schema))
+    return CriteoPartitions(max_table_size or DEFAULT_TABLE_ROWS)
