@@ -40,6 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --stream: stop when no new partition arrived for S seconds (default 60)")
     p.add_argument("--schema", metavar="SCHEMA.toml", help="with --stream: the partitions' format (Parquet, "
                    "CSV/TSV, libFM; hash or identity encodings)")
+    p.add_argument("--publish", metavar="MODEL_ROOT", help="with --stream: export the model into MODEL_ROOT as the "
+                   "next version after the first partition, then every --publish-every-s (a full artifact, then "
+                   "deltas of the changed rows), and at the end; `recstack serve MODEL_ROOT --watch MODEL_ROOT` "
+                   "follows it (docs/streaming.md)")
+    p.add_argument("--publish-every-s", type=float, default=60.0, metavar="T",
+                   help="with --publish: seconds between published versions (default 60; 0: every partition)")
     p.set_defaults(func=run)
 
 
@@ -78,6 +84,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.stream:
         trainer: Trainer = _stream_trainer(args, cfg)
     else:
+        if args.publish:
+            raise ConfigError("--publish: only with --stream (a finished run is exported with recstack export)")
         if args.schema:
             raise ConfigError("--schema: only with --stream (a fixed set is prepared first: recstack data prepare "
                               "--schema)")
@@ -115,7 +123,13 @@ def _stream_trainer(args: argparse.Namespace, cfg: Config) -> StreamTrainer:
     source = DirectoryStream(args.stream, args.stream_idle_s)
     source.check()  # a missing directory: an error now, not after the model is built
     reader = partition_reader(args.schema, cfg.model.max_table_size)
-    return StreamTrainer(cfg, source, reader, args.output_dir, resume=args.resume, overwrite=args.overwrite)
+    if args.publish and not args.publish_every_s >= 0:
+        raise ConfigError(f"--publish-every-s: must be >= 0, got {args.publish_every_s:g}")
+    trainer = StreamTrainer(cfg, source, reader, args.output_dir, resume=args.resume, overwrite=args.overwrite)
+    if args.publish:
+        from recstack.serving.publish import Publisher
+        trainer.add_hook(Publisher(args.publish, args.publish_every_s))
+    return trainer
 
 
 def _progressive(summary: dict) -> dict:

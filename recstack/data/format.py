@@ -34,7 +34,8 @@ entry (:class:`SparseFeatureSpec`) and its checks, and the error for a broken se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -140,3 +141,28 @@ def capped_table_sizes(table_sizes: list[int], max_table_size: int) -> list[int]
     """Rows per table after ``model.max_table_size`` (0 = no cap): the table sizes a model is built with and
     that ``BatchLoader(table_caps=...)`` takes ids modulo."""
     return [min(n, max_table_size) if max_table_size > 0 else n for n in table_sizes]
+
+
+class DataDescription(Protocol):
+    """What export, serving and the publisher need to know of the data a model trained on: its features and
+    tables, and ``info`` (how raw values became ids: the ``info`` of a prepared set's meta.json). A
+    :class:`~recstack.data.prepared_dataset.PreparedDataset` is one; a stream describes its partitions alike
+    (``recstack.data.stream.partition.StreamDescription``)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def info(self) -> dict[str, Any]: ...
+
+    @property
+    def dense_features(self) -> list[str]: ...
+
+    @property
+    def sparse_features(self) -> list[SparseFeatureSpec]: ...
+
+    @property
+    def table_sizes(self) -> list[int]: ...
+
+    @property
+    def table_names(self) -> list[str]: ...

@@ -33,6 +33,7 @@ from torch import nn
 
 from recstack import __version__
 from recstack.config import Config
+from recstack.data.format import DataDescription
 from recstack.data.prepared_dataset import PreparedDataset
 from recstack.embedding.collection import EmbeddingCollection
 from recstack.io import check_free_space
@@ -185,7 +186,7 @@ def quantize_tables(emb: EmbeddingCollection, layout: TableLayout, arrays: Group
             raise ArtifactError(f"table {e['name']!r}: cannot store it as {e['width']}: {err}") from err
 
 
-def artifact_manifest(cfg: Config, model: DLRM, data: PreparedDataset, layout: TableLayout,
+def artifact_manifest(cfg: Config, model: DLRM, data: DataDescription, layout: TableLayout,
                       source: dict[str, Any] | None) -> dict[str, Any]:
     """The manifest of an artifact of ``model`` but its file list (``write_artifact`` adds it)."""
     emb, m = model.embeddings, cfg.model
@@ -226,7 +227,7 @@ def write_transforms(tmp: Path, doc: dict[str, Any], arrays: dict[str, np.ndarra
     (tmp / TRANSFORMS_FILE).write_text(json.dumps(doc, allow_nan=False))
 
 
-def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Path, tables: str = "fp32",
+def export_model(cfg: Config, model: DLRM, data: DataDescription, out: str | Path, tables: str = "fp32",
                  table_widths: list[str] = (), source: dict[str, Any] | None = None) -> tuple[Path, int]:  # type: ignore[assignment]
     """Write the artifact of a loaded model (eval mode, any collection) trained on ``data`` (its meta.json
     names the features and their transforms). -> (artifact directory, version)."""

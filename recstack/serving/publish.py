@@ -7,9 +7,10 @@
     publisher.publish(trainer)                # now, whatever the cadence -> Published
 
 What it takes from the trainer: ``trainer.model`` (the DLRM, one process: its tables whole), ``trainer.cfg`` (the
-root Config, recorded in the manifest), ``trainer.train_ds`` (the prepared data whose meta.json gives the feature
-transforms; ``data=`` overrides it), ``trainer.step`` and ``trainer.logger`` (a ``publish`` record: seconds, bytes,
-delta_fraction, version, full). The model is put back into the train/eval mode it had.
+root Config, recorded in the manifest), ``trainer.data_description()`` (the prepared set or the stream whose
+description gives the feature transforms; ``data=`` overrides it), ``trainer.step`` and ``trainer.logger`` (a
+``publish`` record: seconds, bytes, delta_fraction, version, full).
+The model is put back into the train/eval mode it had.
 
 When a full artifact is written instead of a delta (``PublishSpec``): the first version; after ``full_every``
 deltas in a chain; when more than ``max_delta_fraction`` of all rows changed (a delta would be about as large);
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from recstack.data.prepared_dataset import PreparedDataset
+from recstack.data.format import DataDescription
 from recstack.errors import ConfigError
 from recstack.serving.artifact import MANIFEST, write_artifact
 from recstack.serving.delta import changed_rows, write_delta_tables
@@ -83,7 +84,7 @@ class Publisher:
     partition at once) and at ``close``. See the module docstring."""
 
     def __init__(self, model_root: str | Path, every_s: float, spec: PublishSpec = PublishSpec(),
-                 data: PreparedDataset | None = None, clock: Callable[[], float] = time.time) -> None:
+                 data: DataDescription | None = None, clock: Callable[[], float] = time.time) -> None:
         if not every_s >= 0:
             raise ValueError(f"publish every_s={every_s}: must be >= 0")
         if spec.full_every < 0 or not 0 <= spec.max_delta_fraction <= 1 or not spec.chain_bytes_ratio >= 0:
@@ -121,7 +122,7 @@ class Publisher:
                               f"{trainer.world} ranks (publish from a single-process run)")
         start = time.perf_counter()
         model, cfg = trainer.model, trainer.cfg
-        data = self.data if self.data is not None else trainer.train_ds
+        data = self.data if self.data is not None else trainer.data_description()
         check_data(cfg, model, data)
         emb = model.embeddings
         widths = parse_table_widths(self.spec.tables, list(self.spec.table_widths), [t.name for t in emb.tables])

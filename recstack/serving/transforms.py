@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from recstack.data.format import DataDescription
 from recstack.data.prepare.criteo import DENSE_NAMES, SPARSE_NAMES, transform_dense
 from recstack.data.prepare.encode import OOV, Encoder, EncodingState, parse_chunk
 from recstack.data.prepare.readers.base import BadRowLog, DataError, RawChunk
 from recstack.data.prepare.schema import ColumnsSpec, schema_from_dict
 from recstack.data.prepare.schema_prepare import load_state
-from recstack.data.prepared_dataset import PreparedDataset
 from recstack.serving.artifact import ArtifactError, RequestError
 
 _HEX = re.compile(r"^[0-9a-fA-F]{1,8}$")
@@ -42,10 +42,10 @@ _HEX = re.compile(r"^[0-9a-fA-F]{1,8}$")
 Bags = list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]
 
 
-def transforms_from_data(data: PreparedDataset) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """What the prepared training data says about its transforms -> (transforms.json document, {artifact
-    path: array} of the arrays it refers to)."""
-    info = data.meta.get("info", {})
+def transforms_from_data(data: DataDescription) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """What the training data (a prepared set, a stream) says about its transforms -> (transforms.json document,
+    {artifact path: array} of the arrays it refers to)."""
+    info = data.info
     if info.get("source") == "criteo":
         cat = info.get("categorical", {})
         doc: dict[str, Any] = {"kind": "criteo", "dense_transform": info.get("dense_transform"), "mode": cat["mode"]}

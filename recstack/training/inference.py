@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from recstack.config import Config, config_from_dict
-from recstack.data.format import capped_table_sizes
+from recstack.data.format import DataDescription, capped_table_sizes
 from recstack.data.integrity import check_values
 from recstack.data.loader import BatchLoader
 from recstack.data.prepared_dataset import PreparedDataset
@@ -98,7 +98,7 @@ def evaluation_rows(cfg: Config, checkpoint: str | Path) -> tuple[PreparedDatase
                           "training set, which the run held out of training")
 
 
-def check_data(cfg: Config, model: DLRM, data: PreparedDataset) -> None:
+def check_data(cfg: Config, model: DLRM, data: DataDescription) -> None:
     """Raise a ValueError naming the data set and the first feature whose layout the model does not have
     (dense features, sparse features, each feature's table size and which features share a table)."""
     emb = model.embeddings

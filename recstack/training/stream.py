@@ -22,6 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from recstack.config import Config
+from recstack.data.format import DataDescription
 from recstack.data.loader import BatchLoader
 from recstack.data.stream.partition import PartitionReader, PartitionRows
 from recstack.data.stream.source import Partition, StreamSource
@@ -44,6 +45,9 @@ class StreamTrainer(Trainer):
         self.stream = StreamState()
         self.hooks: list[PartitionHook] = []
         super().__init__(cfg, output_dir, resume=resume, overwrite=overwrite)
+
+    def data_description(self) -> DataDescription:
+        return self.reader.describe(Path(self.source.location))
 
     def add_hook(self, hook: PartitionHook) -> None:
         """Call ``hook`` after every partition's checkpoint and once at the end (in the order added)."""

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from recstack.compression.runtime import CompressionRuntime
 from recstack.config import Config
 from recstack.data.batch import Batch
-from recstack.data.format import capped_table_sizes
+from recstack.data.format import DataDescription, capped_table_sizes
 from recstack.data.loader import BatchLoader
 from recstack.data.sources import prepare_data
 from recstack.distributed import agreement, parallelize
@@ -222,6 +222,10 @@ class Trainer:
     @property
     def step(self) -> int:
         return self.progress.step
+
+    def data_description(self) -> DataDescription:
+        """The data the model trains on as export and publishing see it (features, tables, transforms)."""
+        return self.train_ds
 
     def _resume(self) -> None:
         state = self.checkpointer.load_latest()

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from recstack.data.batch import Batch, SparseFeatures
-from recstack.data.prepare.criteo import DENSE_NAMES, SPARSE_NAMES, CriteoReader
+from recstack.data.format import SparseFeatureSpec
+from recstack.data.prepare.criteo import DENSE_NAMES, DENSE_TRANSFORM, SPARSE_NAMES, CriteoReader
 from recstack.data.prepare.encode import Encoder, EncodingState, parse_chunk
 from recstack.data.prepare.readers import open_source
 from recstack.data.prepare.readers.base import BadRowLog
@@ -41,6 +42,26 @@ class StreamLayout:
     table_names: list[str]
     table_sizes: list[int]
     reserved_rows: list[int]
+
+
+@dataclass(frozen=True)
+class StreamDescription:
+    """A stream's partitions described as a prepared set describes itself (a
+    ``recstack.data.format.DataDescription``), so that a model trained on them exports and publishes like one
+    trained on a prepared set: ``path`` the stream's directory, ``info`` how raw values become ids."""
+
+    path: Path
+    info: dict[str, Any]
+    dense_features: list[str]
+    sparse_features: list[SparseFeatureSpec]
+
+    @property
+    def table_sizes(self) -> list[int]:
+        return [s.num_embeddings for s in self.sparse_features]
+
+    @property
+    def table_names(self) -> list[str]:
+        return [s.table_name for s in self.sparse_features]
 
 
 class PartitionRows:
@@ -71,6 +92,11 @@ class PartitionReader(Protocol):
 
     def read(self, path: Path) -> PartitionRows: ...
 
+    def describe(self, directory: Path) -> StreamDescription:
+        """The partitions of ``directory`` (the stream's location) as export and serving see the data
+        (features, tables, transforms)."""
+        ...
+
 
 class CriteoPartitions:
     """Raw Criteo TSV partitions; every table has ``table_rows`` rows."""
@@ -78,6 +104,14 @@ class CriteoPartitions:
     def __init__(self, table_rows: int) -> None:
         self.layout = StreamLayout(list(DENSE_NAMES), list(SPARSE_NAMES), [table_rows] * len(SPARSE_NAMES),
                                    [0] * len(SPARSE_NAMES))
+
+    def describe(self, directory: Path) -> StreamDescription:
+        """Served as a hashed Criteo set: the server takes raw rows and applies ``raw % rows`` as the loader."""
+        rows = self.layout.table_sizes[0]
+        info = {"source": "criteo", "dense_transform": DENSE_TRANSFORM,
+                "categorical": {"mode": "hash", "max_ind_range": rows, "formula": "raw % max_ind_range"}}
+        return StreamDescription(directory, info, list(DENSE_NAMES),
+                                 [SparseFeatureSpec(n, rows) for n in SPARSE_NAMES])
 
     def read(self, path: Path) -> PartitionRows:
         chunks = list(CriteoReader(path))  # a bad line: CriteoFormatError naming file, line and field
@@ -107,6 +141,12 @@ class SchemaPartitions:
         self.layout = StreamLayout([d.name for d in schema.dense], [s.table_name for s in schema.sparse],
                                    [self.encoder.num_embeddings(s) for s in schema.sparse],
                                    [RESERVED_ROWS[s.encoding] for s in schema.sparse])
+
+    def describe(self, directory: Path) -> StreamDescription:
+        """Served with the schema's own encoders (hash and identity need no learned statistics)."""
+        info = {"reader": "schema", "schema": self.schema.to_dict(), "dense_stats": {}}
+        return StreamDescription(directory, info, [d.name for d in self.schema.dense],
+                                 self.encoder.feature_specs())
 
     def read(self, path: Path) -> PartitionRows:
         source = open_source(path, self.schema.source, 65536, BadRowLog())  # a bad row: DataError, file and line

@@ -54,7 +54,11 @@ class Partition:
 
 
 class StreamSource(Protocol):
-    """Partitions in order. ``after``: resume after that partition (None: from the start)."""
+    """Partitions in order. ``after``: resume after that partition (None: from the start). ``location``: where
+    they come from (a directory, a broker's topic), recorded in the artifacts of a model trained on them."""
+
+    @property
+    def location(self) -> str: ...
 
     def partitions(self, after: StreamPosition | None = None) -> Iterator[Partition]: ...
 
@@ -74,6 +78,10 @@ class DirectoryStream:
         if idle_s < 0:
             raise StreamError(f"--stream-idle-s: must be >= 0, got {idle_s:g}")
         self.directory, self.idle_s, self.poll_s = Path(directory), idle_s, poll_s
+
+    @property
+    def location(self) -> str:
+        return str(self.directory)
 
     def check(self) -> None:
         """A StreamError unless the directory exists and is a directory."""
