@@ -79,7 +79,8 @@ class BatchLoader:
         self.extras = tuple(e for e in extras if dataset.has(e))
         self.table_caps = (
             torch.tensor(table_caps, dtype=torch.int64) if table_caps is not None else None
-        )  # [F] rows per table after capping; ids are taken modulo
+        )  # [F] rows per table after capping; ids are taken modulo (0: not capped, e.g. raw ids of dynamic tables)
+        self._all_capped = self.table_caps is None or bool((self.table_caps > 0).all())
         self.rank, self.world_size = rank, world_size
         self.prefetch = prefetch
         # Runs in the prefetch thread; a model's is composed by recstack.distributed.pipeline.InputPipeline.
@@ -129,7 +130,10 @@ class BatchLoader:
         if self.table_caps is not None:
             s = batch.sparse
             caps = self.table_caps.repeat_interleave(s.ids_per_feature)  # B may be 0 (a short last batch)
-            s.ids = torch.remainder(s.ids, caps)
+            if self._all_capped:
+                s.ids = torch.remainder(s.ids, caps)
+            else:  # features of cap 0 keep their ids as they are
+                s.ids = torch.where(caps > 0, torch.remainder(s.ids, caps.clamp(min=1)), s.ids)
         return self.transform(batch) if self.transform is not None else batch
 
     def _advance(self, row: int) -> None:

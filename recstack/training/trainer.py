@@ -31,6 +31,7 @@ from recstack.data.sources import prepare_data
 from recstack.distributed import agreement, parallelize
 from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
+from recstack.embedding.dynamic_stage import DynamicIds, dynamic_table_layout
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.errors import ConfigError, DivergenceError, PeerFailure
 from recstack.io import atomic_write_text
@@ -104,7 +105,7 @@ class Trainer:
             cfg.model, sparse_optimizer_config(cfg.optim), len(self.train_ds.dense_features), self.table_sizes,
             seed=t.seed, device=self.device, names=self.train_ds.table_names, memory=cfg.memory,
             tables_on_meta=self.world > 1, batch_size=t.batch_size,
-            zero_rows=[s.reserved_rows for s in self.train_ds.sparse_features])
+            zero_rows=self.zero_rows)
         self.compression = CompressionRuntime(cfg.compression, cfg.dist.forward_codec, cfg.dist.backward_codec,
                                               cfg.train.batch_size, self.output_dir, self.rank, self.world)
         self.net: torch.nn.Module = self.model  # what the step calls: the model, or DDP around it
@@ -123,6 +124,7 @@ class Trainer:
         self._reliability: dict[str, list[Any]] | None = None  # of the latest evaluation
         # The monitor's state is in the checkpoint only when it is used: other runs' checkpoints stay as they were.
         selection: list[Stateful] = [self.monitor] if self.monitor.active else []
+        selection += [self.dynamic] if self.dynamic is not None else []
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints" if self.output_dir else None, self.model.embeddings, self.world,
             self.device, keep=t.keep_checkpoints,
@@ -166,6 +168,9 @@ class Trainer:
         self.data_record = data_record(cfg.data, self.train_ds, train_range)
         self.table_sizes = capped_table_sizes(self.train_ds.table_sizes, cfg.model.max_table_size)
         caps = self.table_sizes if cfg.model.max_table_size > 0 else None
+        self.table_sizes, caps, self.zero_rows = dynamic_table_layout(  # dynamic tables: capacity rows, raw ids
+            cfg.model.dynamic_ids, self.train_ds.table_names, self.table_sizes, caps,
+            [s.reserved_rows for s in self.train_ds.sparse_features])
         self.train_loader = BatchLoader(self.train_ds, t.batch_size, train_range, shuffle=t.shuffle, seed=t.seed,
                                         drop_last=t.drop_last, table_caps=caps, rank=self.rank, world_size=self.world,
                                         shuffle_window=t.shuffle_window)
@@ -188,7 +193,10 @@ class Trainer:
         d = self.cfg.dist
         if self.world > 1:
             self._shard()
-        self.input_pipeline = InputPipeline(self.model, self.device, pipelined=self.world > 1 and d.pipeline)
+        self.dynamic = DynamicIds(self.cfg.model.dynamic_ids, self.train_ds.table_names, self.model.embeddings,
+                                  self.cfg.train.seed, self.world) if self.cfg.model.dynamic_ids.enabled else None
+        self.input_pipeline = InputPipeline(self.model, self.device, pipelined=self.world > 1 and d.pipeline,
+                                            dynamic=self.dynamic)
         self.train_loader.transform = self.input_pipeline.train_transform
         self.eval_loader.transform = self.input_pipeline.eval_transform
 
@@ -315,6 +323,7 @@ class Trainer:
                     # bytes and seconds per collective, cache counters, since the last log line
                     values.update({k: v / window_n for k, v in self.model.embeddings.pop_counters().items()})
                     values.update(self.compression.metrics(window_n))  # eb: ratio, codec time, bounds in force
+                    values.update(self.dynamic.stats() if self.dynamic is not None else {})
                     self.logger.log(p.step, "train", values)
                     bar.set_postfix(loss=f"{window_loss / window_n:.4f}", samples_s=f"{sps:,.0f}")
                     window_loss, window_n, window_t0, window_wait, window_step = 0.0, 0, now, 0.0, 0.0
@@ -360,6 +369,7 @@ class Trainer:
             self.save()
         oracle = oracle_auc(self.eval_ds, (self.eval_loader.start, self.eval_loader.end)) if self.has_eval else None
         summary = summarize(final, p, self.world, t.target_auc, oracle, self._reliability)
+        summary.update(self.dynamic.stats() if self.dynamic is not None else {})
         if m.stops:
             summary.update(best_step=m.best_step, best=select_metrics(m.best), stopped_step=m.stopped_step)
         if self.output_dir and self.is_main:
