@@ -88,7 +88,7 @@ def _find(keys: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.
     """Sorted ``keys`` [K], ``query`` [Q] -> (position [Q] clamped into keys, found [Q] bool)."""
     if keys.numel() == 0:
         return torch.zeros_like(query), torch.zeros(query.shape, dtype=torch.bool)
-    pos = torch.searchsorted(keys, query).clamp_(max=keys.numel() - 1)
+    pos = torch.searchsorted(keys, query.contiguous()).clamp_(max=keys.numel() - 1)
     return pos, keys[pos] == query
 
 

@@ -65,6 +65,11 @@ class DynamicIds:
                                         cfg.max_candidates, self._resetter(name, names.index(name)))
                      for name in self.features}
 
+    @property
+    def dynamic_features(self) -> set[int]:
+        """The features whose ids are raw ids of a dynamic table."""
+        return {f for feats in self.features.values() for f in feats}
+
     def _resetter(self, name: str, index: int) -> Callable[[torch.Tensor, int], None]:
         def reset(rows: torch.Tensor, serial: int) -> None:
             if self.collection is None:

@@ -145,6 +145,8 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
              for i, s in enumerate(data.sparse_features)]
     m = cfg.model
     doc, arrays = transforms_from_data(data)
+    id_maps = dynamic_id_arrays(model)
+    arrays.update({rel: a for entry in id_maps.values() for rel, a in entry.pop("arrays").items()})
     qr = ({"collisions": m.qr_collisions, "threshold": m.qr_threshold, "operation": m.qr_operation}
           if model.qr is not None else None)
 
@@ -200,6 +202,7 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
                       "feature_dims": list(emb.feature_dims) if model.projection is not None else None},
             "features": feats,
             "tables": entries,
+            "dynamic_ids": id_maps,
             "table_files": files,
             "table_bytes": {"total": table_bytes, "fp32": fp32_bytes, "ratio": table_bytes / max(fp32_bytes, 1)},
             "dense_program": {"file": PROGRAM_FILE, "inputs": ["pooled", "dense"] if model.num_dense else ["pooled"],
@@ -215,6 +218,17 @@ def export_model(cfg: Config, model: DLRM, data: PreparedDataset, out: str | Pat
     need += sum(a.nbytes for a in arrays.values())
     check_free_space(out, need, "the artifact")
     return write_artifact(out, fill)
+
+
+def dynamic_id_arrays(model: DLRM) -> dict[str, dict[str, Any]]:
+    """The id map of each dynamic table: {table: {"ids": rel, "rows": rel, "arrays": {rel: array}}}, the raw ids
+    ascending (int64) and their rows, as ``.npy`` files of the artifact (checksummed like every file)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, m in (model.dynamic_ids.maps.items() if model.dynamic_ids is not None else ()):
+        ids, rows = m.arrays()
+        rel = {k: f"dynamic_ids/{name}.{k}.npy" for k in ("ids", "rows")}
+        out[name] = {**rel, "count": int(ids.size), "arrays": {rel["ids"]: ids, rel["rows"]: rows}}
+    return out
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, tables: str = "fp32", table_widths: list[str] = (),  # type: ignore[assignment]

@@ -195,6 +195,7 @@ class Trainer:
             self._shard()
         self.dynamic = DynamicIds(self.cfg.model.dynamic_ids, self.train_ds.table_names, self.model.embeddings,
                                   self.cfg.train.seed, self.world) if self.cfg.model.dynamic_ids.enabled else None
+        self.model.dynamic_ids = self.dynamic  # what an export of the model serves raw ids with
         self.input_pipeline = InputPipeline(self.model, self.device, pipelined=self.world > 1 and d.pipeline,
                                             dynamic=self.dynamic)
         self.train_loader.transform = self.input_pipeline.train_transform
