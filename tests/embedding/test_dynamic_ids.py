@@ -4,6 +4,7 @@ weights as an uninterrupted one."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,15 @@ def test_resume_restores_maps_and_weights_exactly(churn_data: Path, tmp_path: Pa
     assert whole.dynamic.stats()["dynamic_ids/collisions"] == 0
     assert whole.model.embeddings.tables[0].num_embeddings == 150  # capacity, not the id range
     assert whole.model.embeddings.tables[2].num_embeddings == 30
+
+
+def test_planner_sizes_dynamic_tables_by_capacity(churn_data: Path, tmp_path: Path, capsys) -> None:
+    from recstack.cli.main import main
+
+    out = tmp_path / "plan.json"  # a raw-id set: 2**62 ids per table, planned at the capacity
+    assert main(["plan", "--tables", str(churn_data), "--topology", "1x2", "--dynamic-capacity", "1K",
+                 "--dynamic-tables", "C1,C2", "--max-table-size", "30", "--out", str(out)]) == 0
+    rows = {e["name"]: e["rows"] for e in json.loads(out.read_text())["tables"]}
+    assert rows == {"C1": 1000, "C2": 1000, "C3": 30}
+    assert main(["plan", "--tables", str(churn_data), "--dynamic-capacity", "1K", "--dynamic-tables", "C9"]) != 0
+    assert "--dynamic-tables: no table 'C9'" in capsys.readouterr().err
