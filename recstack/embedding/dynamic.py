@@ -46,7 +46,8 @@ _I64 = torch.int64
 @dataclass
 class DynamicIdsConfig:
     """``[model.dynamic_ids]``: which tables are keyed by raw ids, and their capacity and policies (module
-    docstring). ``tables`` empty: every table. ``max_candidates`` 0: as many as ``capacity``."""
+    docstring). ``tables`` empty: every table. ``table_capacity`` {table: rows} overrides ``capacity`` per table.
+    ``max_candidates`` 0: as many as the table's capacity."""
 
     enabled: bool = False
     capacity: int = 100_000
@@ -54,6 +55,7 @@ class DynamicIdsConfig:
     eviction: Literal["lru", "lfu", "ttl"] = "lru"
     ttl_steps: int = 0
     tables: list[str] = field(default_factory=list)
+    table_capacity: dict[str, int] = field(default_factory=dict)
     max_candidates: int = 0
 
     def validate(self) -> None:
@@ -70,18 +72,26 @@ class DynamicIdsConfig:
             raise ConfigError(f"{k}.ttl_steps: eviction = \"ttl\" needs ttl_steps >= 1, got {self.ttl_steps}")
         if self.eviction != "ttl" and self.ttl_steps:
             raise ConfigError(f"{k}.ttl_steps: only used with eviction = \"ttl\" (eviction is {self.eviction!r})")
+        for name, rows in self.table_capacity.items():
+            if isinstance(rows, bool) or not isinstance(rows, int) or rows < 2:
+                raise ConfigError(f"{k}.table_capacity.{name}: must be an integer >= 2, got {rows!r}")
         if self.max_candidates < 0:
             raise ConfigError(f"{k}.max_candidates: must be >= 0 (0: capacity), got {self.max_candidates}")
 
     def applies_to(self, table: str) -> bool:
         return self.enabled and (not self.tables or table in self.tables)
 
+    def capacity_of(self, table: str) -> int:
+        """The rows of dynamic table ``table``: its ``table_capacity`` entry, else ``capacity``."""
+        return self.table_capacity.get(table, self.capacity)
+
     def check_table_names(self, names: list[str]) -> None:
-        """Every ``tables`` entry against the data's table names."""
-        for name in self.tables:
-            if name not in names:
-                shown = ", ".join(dict.fromkeys(names))
-                raise ConfigError(f"model.dynamic_ids.tables: the data has no table {name!r} (tables: {shown})")
+        """Every ``tables`` and ``table_capacity`` entry against the data's table names."""
+        for key, given in (("tables", self.tables), ("table_capacity", list(self.table_capacity))):
+            for name in given:
+                if name not in names:
+                    shown = ", ".join(dict.fromkeys(names))
+                    raise ConfigError(f"model.dynamic_ids.{key}: the data has no table {name!r} (tables: {shown})")
 
 
 def _find(keys: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

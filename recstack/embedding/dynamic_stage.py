@@ -36,7 +36,7 @@ def dynamic_table_layout(cfg: DynamicIdsConfig, feature_tables: list[str], table
         return table_sizes, caps, zero_rows
     cfg.check_table_names(feature_tables)
     dyn = [cfg.applies_to(name) for name in feature_tables]
-    sizes = [cfg.capacity if d else n for d, n in zip(dyn, table_sizes, strict=True)]
+    sizes = [cfg.capacity_of(t) if d else n for d, n, t in zip(dyn, table_sizes, feature_tables, strict=True)]
     out_caps = None if caps is None and not any(dyn) else [
         0 if d else (caps[i] if caps is not None else 0) for i, d in enumerate(dyn)]
     zeros = [max(1, z) if d else z for d, z in zip(dyn, zero_rows, strict=True)]
@@ -61,7 +61,7 @@ class DynamicIds:
             if cfg.applies_to(name):
                 self.features.setdefault(name, []).append(f)
         names = list(dict.fromkeys(feature_tables))
-        self.maps = {name: DynamicIdMap(cfg.capacity, cfg.admit_after, cfg.eviction, cfg.ttl_steps,
+        self.maps = {name: DynamicIdMap(cfg.capacity_of(name), cfg.admit_after, cfg.eviction, cfg.ttl_steps,
                                         cfg.max_candidates, self._resetter(name, names.index(name)))
                      for name in self.features}
 
