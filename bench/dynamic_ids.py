@@ -125,13 +125,13 @@ def run_arm(ds: PreparedDataset, wins: list[tuple[int, int]], sizes: list[int], 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, default=120_000)
-    p.add_argument("--windows", type=int, default=6)
+    p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--windows", type=int, default=8)
     p.add_argument("--churn", type=float, default=0.25, help="share of each table's ids replaced per window")
     p.add_argument("--eviction", default="lru", choices=["lru", "lfu", "ttl"])
     p.add_argument("--ttl-steps", type=int, default=0)
     p.add_argument("--admit-after", type=int, default=2)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="a small run (tests): 40k rows, 4 windows, one seed")
     p.add_argument("--data", type=Path, help="where the stream is generated (default: a temporary directory)")
