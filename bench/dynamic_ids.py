@@ -91,7 +91,7 @@ def run_arm(ds: PreparedDataset, wins: list[tuple[int, int]], sizes: list[int], 
     stage = DynamicIds(dyn, ds.table_names, model.embeddings, seed) if dyn is not None else None
     opt = build_dense_optimizer(cfg.optim, model.dense_parameters())
     caps = None if stage is not None else sizes  # hashed: ids modulo the table's rows
-    progressive, per_window, in_use = BinaryMetrics(), [], 0
+    progressive, per_window, in_use, remap_s, steps = BinaryMetrics(), [], 0.0, 0.0, 0
     t0 = time.perf_counter()
     for w, (lo, hi) in enumerate(wins):
         model.eval()
@@ -107,7 +107,11 @@ def run_arm(ds: PreparedDataset, wins: list[tuple[int, int]], sizes: list[int], 
         model.train()
         loader = BatchLoader(ds, cfg.train.batch_size, (lo, hi), drop_last=False, table_caps=caps, prefetch=1)
         for b in loader.iterate_epoch():
-            b = stage.remap_batch(b) if stage is not None else b
+            if stage is not None:
+                r0 = time.perf_counter()
+                b = stage.remap_batch(b)
+                remap_s += time.perf_counter() - r0
+            steps += 1
             loss = F.binary_cross_entropy_with_logits(model(b).float(), b.labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()  # also the fused embedding update
@@ -115,7 +119,8 @@ def run_arm(ds: PreparedDataset, wins: list[tuple[int, int]], sizes: list[int], 
         if stage is not None:
             in_use = max(in_use, max(mp.stats()["rows_in_use"] / (mp.capacity - 1) for mp in stage.maps.values()))
     out = {"progressive_auc": progressive.compute()["auc"], "window_auc": per_window,
-           "rows": sum(sizes), "seconds": time.perf_counter() - t0}
+           "rows": sum(sizes), "seconds": time.perf_counter() - t0, "steps": steps,
+           "remap_ms_per_step": 1e3 * remap_s / max(steps, 1)}
     if stage is not None:
         st = stage.stats()
         out.update(max_share_of_capacity_in_use=in_use, collisions=int(st["dynamic_ids/collisions"]),

@@ -102,6 +102,31 @@ def _find(keys: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.
     return pos, keys[pos] == query
 
 
+def _merge(keys: torch.Tensor, new: torch.Tensor, *values: tuple[torch.Tensor, torch.Tensor]
+           ) -> tuple[torch.Tensor, ...]:
+    """Sorted ``keys`` [K] and ``new`` [n] (ascending, none of them in ``keys``) -> the merged keys [K + n] and
+    each (old values [K], new values [n]) pair merged alike: O(K + n log K), no sort of the whole array."""
+    n, k = new.numel(), keys.numel()
+    at_new = torch.searchsorted(keys, new) + torch.arange(n)  # where each new key lands
+    keep = torch.ones(k + n, dtype=torch.bool)
+    keep[at_new] = False
+    out = []
+    for old, add in ((keys, new), *values):
+        merged = torch.empty(k + n, dtype=old.dtype)
+        merged[at_new] = add
+        merged[keep] = old
+        out.append(merged)
+    return tuple(out)
+
+
+def _drop(keys: torch.Tensor, gone: torch.Tensor) -> torch.Tensor:
+    """Mask [K] of the sorted ``keys`` that are not in ``gone`` (every id of ``gone`` found or not)."""
+    keep = torch.ones(keys.numel(), dtype=torch.bool)
+    pos, found = _find(keys, gone)
+    keep[pos[found]] = False
+    return keep
+
+
 class DynamicIdMap:
     """Raw int64 ids -> rows in [1, capacity) of one table, row 0 the default (module docstring)."""
 
@@ -174,11 +199,9 @@ class DynamicIdMap:
         self.cand_count[pos[found]] = total[found]
         self.cand_seen[pos[found]] = self.step
         fresh = ~found
-        keys = torch.cat([self.cand_keys, new[fresh]])
-        order = torch.argsort(keys)
-        self.cand_keys = keys[order]
-        self.cand_count = torch.cat([self.cand_count, total[fresh]])[order]
-        self.cand_seen = torch.cat([self.cand_seen, torch.full((int(fresh.sum()),), self.step, dtype=_I64)])[order]
+        seen = torch.full((int(fresh.sum()),), self.step, dtype=_I64)
+        self.cand_keys, self.cand_count, self.cand_seen = _merge(
+            self.cand_keys, new[fresh], (self.cand_count, total[fresh]), (self.cand_seen, seen))
         return total
 
     def _bound_candidates(self) -> None:
@@ -186,9 +209,9 @@ class DynamicIdMap:
         extra = self.cand_keys.numel() - self.max_candidates
         if extra <= 0:
             return
-        order = torch.sort(-self.cand_count, stable=True)[1]
-        order = order[torch.sort(-self.cand_seen[order], stable=True)[1]]  # most recent first, then most counted
-        keep = torch.sort(order[: self.max_candidates])[0]
+        # most recently seen first, then most counted (one int64 key: step < 2^32, count capped at 2^31 - 1)
+        key = (self.cand_seen << 31) | self.cand_count.clamp(max=2**31 - 1)
+        keep = torch.sort(torch.topk(key, self.max_candidates, sorted=False)[1])[0]
         self.cand_keys, self.cand_count, self.cand_seen = (
             self.cand_keys[keep], self.cand_count[keep], self.cand_seen[keep])
 
@@ -206,17 +229,20 @@ class DynamicIdMap:
         if short <= 0 or self.eviction == "ttl":
             return take
         idle = ((self.row_id >= 0) & (self.last_used < self.step)).nonzero().squeeze(1)  # [V] ascending
-        order = torch.sort(self.last_used[idle], stable=True)[1]  # lru: the oldest first, ties by row
-        if self.eviction == "lfu":  # fewest sightings first, ties by the least recently used
+        short = min(short, idle.numel())
+        if self.eviction == "lru":  # the oldest first, ties by row: one unique int64 key, the k smallest
+            key = self.last_used[idle] * self.capacity + idle
+            victims = idle[torch.topk(key, short, largest=False, sorted=True)[1]]
+        else:  # lfu: fewest sightings first, ties by the least recently used, then by row
+            order = torch.sort(self.last_used[idle], stable=True)[1]
             order = order[torch.sort(self.hits[idle][order], stable=True)[1]]
-        victims = idle[order[:short]]
+            victims = idle[order[:short]]
         self._release(victims)
         self.counters["evictions"] += victims.numel()
         return torch.cat([take, victims])
 
     def _release(self, rows: torch.Tensor) -> None:
-        gone = self.row_id[rows]
-        keep = ~torch.isin(self.keys, gone)
+        keep = _drop(self.keys, self.row_id[rows])
         self.keys, self.key_rows = self.keys[keep], self.key_rows[keep]
         self.row_id[rows] = _FREE
 
@@ -227,11 +253,10 @@ class DynamicIdMap:
         self.row_id[rows] = ids
         self.last_used[rows] = self.step
         self.hits[rows] = total
-        keys = torch.cat([self.keys, ids])
-        order = torch.argsort(keys)
-        self.keys, self.key_rows = keys[order], torch.cat([self.key_rows, rows])[order]
+        order = torch.argsort(ids)
+        self.keys, self.key_rows = _merge(self.keys, ids[order], (self.key_rows, rows[order]))
         if self.cand_keys.numel():
-            keep = ~torch.isin(self.cand_keys, ids)
+            keep = _drop(self.cand_keys, ids)
             self.cand_keys, self.cand_count, self.cand_seen = (
                 self.cand_keys[keep], self.cand_count[keep], self.cand_seen[keep])
         self.counters["admissions"] += ids.numel()
