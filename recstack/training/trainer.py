@@ -191,10 +191,11 @@ class Trainer:
         quotient-remainder split, the cached tiers' prefetch hook and (a GPU) the staging copy in the loader
         thread, and with ``dist.pipeline`` the id messages built there (exchanged in this thread, a batch ahead)."""
         d = self.cfg.dist
-        if self.world > 1:
-            self._shard()
+        # before any sharding: under torchrun dynamic ids stop here with a ConfigError, alike on every rank
         self.dynamic = DynamicIds(self.cfg.model.dynamic_ids, self.train_ds.table_names, self.model.embeddings,
                                   self.cfg.train.seed, self.world) if self.cfg.model.dynamic_ids.enabled else None
+        if self.world > 1:
+            self._shard()
         self.model.dynamic_ids = self.dynamic  # what an export of the model serves raw ids with
         self.input_pipeline = InputPipeline(self.model, self.device, pipelined=self.world > 1 and d.pipeline,
                                             dynamic=self.dynamic)
