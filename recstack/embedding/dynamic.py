@@ -178,8 +178,8 @@ class DynamicIdMap:
             ready = total >= self.admit_after
             if bool(ready.any()):
                 want, want_total = uniq[miss][ready], total[ready]
-                order = torch.sort(want, stable=True)[1]  # ties: the smaller id first
-                order = order[torch.sort(-want_total[order], stable=True)[1]]  # more sightings first
+                # more sightings first, ties by the smaller id (``want`` is ascending: a stable sort keeps that)
+                order = torch.sort(-want_total, stable=True)[1]
                 got = self._take_rows(order.numel())
                 chosen = order[: got.numel()]
                 self._admit(want[chosen], want_total[chosen], got)
@@ -211,7 +211,8 @@ class DynamicIdMap:
             return
         # most recently seen first, then most counted (one int64 key: step < 2^32, count capped at 2^31 - 1)
         key = (self.cand_seen << 31) | self.cand_count.clamp(max=2**31 - 1)
-        keep = torch.sort(torch.topk(key, self.max_candidates, sorted=False)[1])[0]
+        keep = torch.zeros(key.numel(), dtype=torch.bool)
+        keep[torch.topk(key, self.max_candidates, sorted=False)[1]] = True  # a mask keeps the keys ascending
         self.cand_keys, self.cand_count, self.cand_seen = (
             self.cand_keys[keep], self.cand_count[keep], self.cand_seen[keep])
 
