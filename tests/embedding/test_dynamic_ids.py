@@ -70,8 +70,9 @@ def test_lru_evicts_the_least_recently_used() -> None:
 def test_lfu_evicts_the_least_frequently_used() -> None:
     m = DynamicIdMap(capacity=4, eviction="lfu")
     r1, r2, r3 = _fill(m, 1, 2, 3)
-    m.remap(ids(1, 1, 3))  # sightings: 1 -> 3, 2 -> 1, 3 -> 2; 2 is also older than nothing here
-    m.remap(ids(2, 2, 2, 2))  # 2 -> 5: now 3 has the fewest
+    m.remap(ids(1, 1, 1))  # sightings: 1 -> 4
+    m.remap(ids(2, 2))  # 2 -> 3
+    m.remap(ids(3))  # 3 -> 2, and the most recently used: lru would evict 1, lfu evicts 3
     assert m.remap(ids(4)).item() == r3
     assert m.lookup(ids(1, 2, 3)).tolist() == [r1, r2, 0]
 
