@@ -1,14 +1,16 @@
 """Dynamic id tables: admission, eviction per policy, row and optimizer-state reset on reuse, no collisions
-under capacity, the behaviour when full, config errors, and a training run that resumes to the same maps and
-weights as an uninterrupted one."""
+under capacity, the behaviour when full, config errors, the planner, and training runs stopped (in process, or
+SIGKILLed) and resumed to the same maps, weights and metrics as uninterrupted ones."""
 
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import kill_after_checkpoints, run_cli, train_args
 
 from recstack.config import load_config
 from recstack.data.batch import Batch, SparseFeatures
@@ -188,3 +190,18 @@ def test_planner_sizes_dynamic_tables_by_capacity(churn_data: Path, tmp_path: Pa
     assert rows == {"C1": 1000, "C2": 1000, "C3": 30}
     assert main(["plan", "--tables", str(churn_data), "--dynamic-capacity", "1K", "--dynamic-tables", "C9"]) != 0
     assert "--dynamic-tables: no table 'C9'" in capsys.readouterr().err
+
+
+def test_sigkill_then_resume_matches_uninterrupted(churn_data: Path, tmp_path: Path) -> None:
+    opts = [*DYN, "train.max_steps=70", "train.checkpoint_every=10", "data.eval_fraction=0.2", "train.shuffle=true"]
+    ref = run_cli(train_args(tmp_path / "ref", churn_data, opts))
+    assert ref.returncode == 0, ref.stderr
+    killed = kill_after_checkpoints(train_args(tmp_path / "run", churn_data, opts), tmp_path / "run" / "checkpoints",
+                                    2)
+    assert killed.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    resumed = run_cli(train_args(tmp_path / "run", churn_data, opts, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = (json.loads((tmp_path / r / "summary.json").read_text()) for r in ("ref", "run"))
+    keys = ["auc", "logloss", *(k for k in a if k.startswith("dynamic_ids/"))]
+    assert len(keys) == 9 and a["dynamic_ids/evictions"] > 0
+    assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
