@@ -19,6 +19,7 @@ from recstack.embedding.collection import TableConfig, reset_values
 from recstack.embedding.dynamic import DynamicIdMap, DynamicIdsConfig
 from recstack.embedding.dynamic_stage import DynamicIds
 from recstack.embedding.fused import FusedEmbeddingBagCollection
+from recstack.embedding.mixed import MixedDimEmbeddingCollection
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
 from recstack.errors import ConfigError
 
@@ -123,6 +124,19 @@ def test_reused_row_is_reinitialised_with_fresh_optimizer_state() -> None:
     g = torch.Generator().manual_seed((7 * 1_000_003 + 0) * 1_000_000_007 + 3)
     assert torch.equal(coll.weight[row], reset_values(table, 1, g)[0])
     assert coll.weight[0].abs().sum() == 0  # the default row starts at zero
+
+
+def test_mixed_dim_collection_resets_the_row_of_its_table() -> None:
+    tables = [TableConfig("A", 4, 3, (0,), 1), TableConfig("B", 5, 2, (1,), 1, init_bound=0.5)]
+    coll = MixedDimEmbeddingCollection(tables, SparseOptimizerConfig("adam"), seed=0)
+    group = coll._group("d2")
+    group.weight[2].fill_(9.0)
+    group.exp_avg[2].fill_(1.0)
+    group.row_step[2] = 4.0
+    coll.reset_rows("B", torch.tensor([2]), torch.Generator().manual_seed(3))
+    assert torch.equal(coll.table_weight("B")[2], reset_values(tables[1], 1, torch.Generator().manual_seed(3))[0])
+    assert coll.table_weight("B")[2].abs().max() <= 0.5  # the table's own init bound
+    assert group.exp_avg[2].abs().sum() == 0 and group.row_step[2] == 0
 
 
 def test_config_errors_name_the_key(tmp_path: Path) -> None:
