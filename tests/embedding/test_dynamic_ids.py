@@ -152,6 +152,10 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
         load_config(None, ["model.dynamic_ids.enabled=true", 'memory.device="1MB"'])
     with pytest.raises(ConfigError, match="model.dynamic_ids.tables: the data has no table 'C9'"):
         DynamicIdsConfig(enabled=True, tables=["C9"]).check_table_names(["C1", "C2"])
+    from recstack.exfm.config import load_exfm_config
+
+    with pytest.raises(ConfigError, match="vm.model.dynamic_ids: not supported by recstack exfm run"):
+        load_exfm_config(None, ["vm.model.dynamic_ids.enabled=true"])
     with pytest.raises(ConfigError, match="not supported under torchrun"):
         DynamicIds(DynamicIdsConfig(enabled=True), ["C1"], None, world=2)
 
