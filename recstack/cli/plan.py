@@ -154,9 +154,23 @@ def build_tables(args: argparse.Namespace) -> list[TableSpec]:
     if args.max_table_size:  # hashing into fewer rows scrambles a histogram over rows: capped tables go uniform
         specs = [TableSpec(t.name, min(t.rows, args.max_table_size), t.dim, t.pooling,
                            t.access_counts if t.rows <= args.max_table_size else None) for t in specs]
+    if args.dynamic_capacity:
+        specs = _dynamic(specs, args.dynamic_capacity, args.dynamic_tables)
     if args.qr_collisions:
         specs = _qr_split(specs, args.qr_collisions, args.qr_threshold)
     return specs
+
+
+def _dynamic(specs: list[TableSpec], capacity: int, tables: str | None) -> list[TableSpec]:
+    """The tables of ``model.dynamic_ids``: each dynamic table (``tables``, comma-separated; None: all) holds
+    ``capacity`` rows whatever its id range, its rows in no particular order (no histogram over rows)."""
+    if capacity < 2:
+        raise PlanError(f"--dynamic-capacity: must be >= 2 (row 0 is the default row), got {capacity}")
+    names = set(tables.split(",")) if tables else {t.name for t in specs}
+    unknown = sorted(names - {t.name for t in specs})
+    if unknown:
+        raise PlanError(f"--dynamic-tables: no table {unknown[0]!r} (tables: {', '.join(t.name for t in specs)})")
+    return [TableSpec(t.name, capacity, t.dim, t.pooling) if t.name in names else t for t in specs]
 
 
 def _qr_split(specs: list[TableSpec], collisions: int, threshold: int) -> list[TableSpec]:
@@ -216,6 +230,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"synthetic {SYNTHETIC_DIM}, else the file's)")
     g.add_argument("--max-table-size", type=parse_count, help="cap every table at this many rows")
     g.add_argument("--pooling", type=float, help="mean ids per sample (default 1; a file's own values win)")
+    g.add_argument("--dynamic-capacity", type=parse_count, default=0, metavar="N",
+                   help="plan dynamic id tables (model.dynamic_ids) at their capacity of N rows each (0: off)")
+    g.add_argument("--dynamic-tables", metavar="NAMES", help="the dynamic tables, comma-separated (default: all)")
     g.add_argument("--qr-collisions", type=int, default=0, metavar="M",
                    help="plan the quotient-remainder tables of model.qr_collisions = M (0: off)")
     g.add_argument("--qr-threshold", type=int, default=200, help="tables of more rows are split (200)")

@@ -67,6 +67,12 @@ def run(args: argparse.Namespace) -> dict:
     from recstack.training.evaluate import figures as _figures
     from recstack.training.trainer import Trainer
 
+    if args.stream and not args.schema and not args.config:
+        # A raw Criteo stream without a config: every table keyed by the raw ids it carries (dynamic ids, as many
+        # rows as the hashed default would have); --set model.dynamic_ids.enabled=false hashes them instead.
+        from recstack.data.stream.partition import DEFAULT_TABLE_ROWS
+        args.overrides = ["model.dynamic_ids.enabled=true", f"model.dynamic_ids.capacity={DEFAULT_TABLE_ROWS}",
+                          *args.overrides]
     try:
         cfg = _config(args)
     except RecstackError as e:  # a rank of a job: the others stop with this, not at a timeout

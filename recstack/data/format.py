@@ -8,7 +8,8 @@ A prepared data set is a directory:
     labels.bin         float32 [N]
     dense.bin          float32 [N, n_dense]
     sparse.bin         int32   [N, n_single]   ids already in [0, num_embeddings), one column per
-                                               single-valued sparse feature (in feature order)
+                                               single-valued sparse feature (in feature order); int64
+                                               for raw ids (``RAW_ID_DTYPE``, dynamic id tables)
     <f>.values.bin     int32   [nnz_f]         multi-hot feature f: all ids, row after row
     <f>.offsets.bin    int64   [N + 1]         row r of f holds values[offsets[r] : offsets[r + 1]]
     <f>.weights.bin    float32 [nnz_f]         optional per-id weights of f (weighted sum pooling)
@@ -44,6 +45,10 @@ from recstack.errors import RecstackError
 FORMAT_NAME = "recstack-prepared"
 FORMAT_VERSION = 1
 CORE_DTYPES = {"labels": np.float32, "dense": np.float32, "sparse": np.int32}
+# ``sparse`` may instead be int64: raw ids (large, sparse values) for dynamic id tables (``recstack.embedding.
+# dynamic``), whose features give ``num_embeddings`` = RAW_ID_RANGE; no modulo or vocabulary applies to them.
+RAW_ID_DTYPE = np.int64
+RAW_ID_RANGE = 2**62
 JAGGED_DTYPES = {"values": np.int32, "offsets": np.int64, "weights": np.float32}  # <feature>.<part> arrays
 
 

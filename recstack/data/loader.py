@@ -106,7 +106,7 @@ class BatchLoader:
         self.extras = tuple(e for e in extras if dataset.has(e))
         self.table_caps = (
             torch.tensor(table_caps, dtype=torch.int64) if table_caps is not None else None
-        )  # [F] rows per table after capping; ids are taken modulo (cap_ids)
+        )  # [F] rows per table after capping; ids are taken modulo (cap_ids; 0: raw ids of a dynamic table)
         self.rank, self.world_size = rank, world_size
         self.prefetch = prefetch
         # Runs in the prefetch thread; a model's is composed by recstack.distributed.pipeline.InputPipeline.

@@ -19,6 +19,7 @@ from recstack.data.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     JAGGED_DTYPES,
+    RAW_ID_DTYPE,
     PreparedFormatError,
     SparseFeatureSpec,
     check_sparse_specs,
@@ -124,7 +125,8 @@ class PreparedDataset:
                                       f"file of this prepared set (a file name inside "
                                       f"{self.path})")
         want_dt = CORE_DTYPES.get(name) or self._jagged_dtypes.get(name)
-        if want_dt is not None and dt != np.dtype(want_dt):
+        raw_ids = name == "sparse" and dt == np.dtype(RAW_ID_DTYPE)  # int64 raw ids (dynamic id tables)
+        if want_dt is not None and dt != np.dtype(want_dt) and not raw_ids:
             # int32 ids read as float32 (the same size, so the file size cannot tell) would train on garbage
             raise PreparedFormatError(f"{f}: meta.json gives dtype {dt.name} for {name!r}, the format stores "
                                       f"{np.dtype(want_dt).name}")

@@ -12,7 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from recstack.data.format import CORE_DTYPES, FORMAT_NAME, FORMAT_VERSION, SparseFeatureSpec, check_sparse_specs
+from recstack.data.format import (
+    CORE_DTYPES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    RAW_ID_DTYPE,
+    SparseFeatureSpec,
+    check_sparse_specs,
+)
 from recstack.io import check_writable, writing
 
 
@@ -29,7 +36,9 @@ class PreparedWriter:
         sparse_features: list[SparseFeatureSpec],
         extra_columns: dict[str, str] | None = None,
         overwrite: bool = False,
+        raw_ids: bool = False,
     ) -> None:
+        """``raw_ids``: single-valued ids are stored as int64 (raw ids for dynamic id tables, ``format``)."""
         self.out_dir = Path(out_dir)
         if self.out_dir.exists() and not overwrite:
             raise FileExistsError(f"{self.out_dir} already exists (pass overwrite to replace it)")
@@ -47,6 +56,8 @@ class PreparedWriter:
             raise
         self.n_single = sum(not s.multi_hot for s in self.sparse_features)
         self.dtypes: dict[str, np.dtype] = {k: np.dtype(v) for k, v in CORE_DTYPES.items()}
+        if raw_ids:
+            self.dtypes["sparse"] = np.dtype(RAW_ID_DTYPE)
         for name, dt in (extra_columns or {}).items():
             self.dtypes[name] = np.dtype(dt)
         # Jagged arrays of the multi-hot features: name -> dtype; their lengths are not N.

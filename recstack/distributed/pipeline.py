@@ -39,6 +39,7 @@ from recstack.data.batch import Batch
 from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.distributed.input_dist import PreparedInput, RoutedIds
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
+from recstack.embedding.dynamic_stage import DynamicIds
 from recstack.models.dlrm import DLRM
 
 
@@ -59,14 +60,18 @@ class InputPipeline:
     (iterate training batches through ``batches``). ``pipelined`` needs a model whose collection is
     sharded."""
 
-    def __init__(self, model: DLRM, device: torch.device, pipelined: bool = False) -> None:
+    def __init__(self, model: DLRM, device: torch.device, pipelined: bool = False,
+                 dynamic: DynamicIds | None = None) -> None:
+        """``dynamic``: the id maps of dynamic id tables, applied to every training batch in the training thread
+        as ``batches`` hands it over (admission must follow the step order exactly) and to evaluation batches in
+        the loader's thread (lookups only, while no training step runs)."""
         emb = model.embeddings
         if pipelined and not isinstance(emb, ShardedEmbeddingCollection):
             kind = type(emb).__name__
             raise ValueError(
                 f"dist.pipeline distributes ids ahead for sharded tables, not a {kind}"
             )
-        self.model, self.device, self.pipelined = model, device, pipelined
+        self.model, self.device, self.pipelined, self.dynamic = model, device, pipelined, dynamic
         self._sharded = emb if isinstance(emb, ShardedEmbeddingCollection) else None
         self._hook = emb.next_batch_hook()
         # a GPU: batches are staged through pinned memory on a stream of their own
@@ -91,6 +96,8 @@ class InputPipeline:
     def eval_transform(self) -> Callable[[Batch], Batch] | None:
         """Evaluation batches are split only: no prefetch (the hook expects the training order) and
         no ids ahead (evaluation runs its input distribution in the step)."""
+        if self.dynamic is not None:
+            return self.dynamic.lookup_batch  # (no QR split: refused with dynamic ids)
         return self.model.split_batch if self.model.qr is not None else None
 
     def _train(self, batch: Batch) -> Batch:
@@ -155,7 +162,15 @@ class InputPipeline:
         batch n is yielded, and batch n's routed ids go to the collection as it is yielded (its
         forward follows). Reading batch n + 1 moved ``loader``'s position past it; while batch n is
         out, the position is put back to just after batch n, so a checkpoint written after its step
-        resumes with batch n + 1 (the next read sets it again)."""
+        resumes with batch n + 1 (the next read sets it again). Dynamic ids are remapped here, as each batch
+        is handed over."""
+        if self.dynamic is not None:
+            remap = self.dynamic.remap_batch
+            yield from (remap(b) for b in self._batches(batches, loader))
+        else:
+            yield from self._batches(batches, loader)
+
+    def _batches(self, batches: Iterable[Batch], loader: BatchLoader | None) -> Iterator[Batch]:
         if not self.stages:
             yield from batches
             return

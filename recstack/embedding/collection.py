@@ -41,6 +41,13 @@ def _generator(table: TableConfig, seed: int, index: int) -> tuple[torch.Generat
     return torch.Generator().manual_seed(seed * 1_000_003 + index), table.init_bound or table.num_embeddings**-0.5
 
 
+def reset_values(table: TableConfig, n: int, generator: torch.Generator) -> torch.Tensor:
+    """``n`` rows [n, dim] float32 for ids new to a row of ``table`` (dynamic ids): uniform at the table's init bound,
+    drawn from ``generator``."""
+    bound = table.init_bound or table.num_embeddings**-0.5
+    return torch.empty(n, table.embedding_dim).uniform_(-bound, bound, generator=generator)
+
+
 def init_table(table: TableConfig, seed: int, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """DLRM reference init, uniform(-1/sqrt(rows), 1/sqrt(rows)) (or +-``init_bound``), from a generator seeded
     per table so that every placement (one device, sharded, tiered) builds bit-identical rows. -> [rows, dim]
@@ -174,6 +181,14 @@ class EmbeddingCollection(nn.Module, abc.ABC):
         """Load the rows from an all-in-memory collection's state (weight [sum of rows, D], row-wise
         accumulator [sum of rows] or None), for a collection whose rows are not in its state dict."""
         raise NotImplementedError(f"{type(self).__name__} holds its rows in its state dict")
+
+    # Whether ``reset_rows`` works (a collection holding its rows in memory on one process).
+    resets_rows: bool = False
+
+    def reset_rows(self, name: str, rows: torch.Tensor, generator: torch.Generator) -> None:
+        """Give rows [k] (of table ``name``) to new ids (dynamic ids): new initial values (``reset_values``)
+        and the optimizer state of a new row."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reset rows")
 
     def close(self) -> None:
         """Release what the collection holds besides memory (threads, open files); lookups fail afterwards."""

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from recstack.data.batch import SparseFeatures
-from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_block
+from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_block, reset_values
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
 
 # (table index i, out [rows_i, D]) -> None: writes table i's initial rows into ``out`` (a view of the weight,
@@ -134,3 +134,13 @@ class FusedEmbeddingBagCollection(EmbeddingCollection):
     def table_weight(self, name: str) -> torch.Tensor:
         i = next(i for i, t in enumerate(self.tables) if t.name == name)
         return self.weight[self.table_offsets[i] : self.table_offsets[i + 1]]
+
+    resets_rows = True
+
+    @torch.no_grad()
+    def reset_rows(self, name: str, rows: torch.Tensor, generator: torch.Generator) -> None:
+        i = next(i for i, t in enumerate(self.tables) if t.name == name)
+        at = rows.to(self.weight.device) + self.table_offsets[i]  # [k] rows of the concatenated weight
+        self.weight[at] = reset_values(self.tables[i], rows.numel(), generator).to(self.weight)
+        for p in self.optimizer.state_parts:  # the state of a row never updated
+            getattr(self, p.name)[at] = p.initial

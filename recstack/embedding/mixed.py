@@ -45,7 +45,8 @@ class MixedDimEmbeddingCollection(EmbeddingCollection):
             feats = sorted(f for i in idxs for f in tables[i].features)
             local = {f: j for j, f in enumerate(feats)}
             cfgs = [TableConfig(tables[i].name, tables[i].num_embeddings, dim,
-                                tuple(local[f] for f in tables[i].features)) for i in idxs]
+                                tuple(local[f] for f in tables[i].features), init_bound=tables[i].init_bound)
+                    for i in idxs]
 
             def init(j: int, out: torch.Tensor, idxs: list[int] = idxs) -> None:  # drawn as table idxs[j]
                 t = tables[idxs[j]]
@@ -78,3 +79,9 @@ class MixedDimEmbeddingCollection(EmbeddingCollection):
     def weight_groups(self) -> list[tuple[str, list[TableConfig]]]:
         return [(f"groups.{key}.", [t for t in self.tables if group_key(t.embedding_dim) == key])
                 for key in self.groups]
+
+    resets_rows = True
+
+    def reset_rows(self, name: str, rows: torch.Tensor, generator: torch.Generator) -> None:
+        t = next(t for t in self.tables if t.name == name)
+        self._group(group_key(t.embedding_dim)).reset_rows(name, rows, generator)

@@ -205,6 +205,8 @@ def validate(cfg: ExfmConfig) -> None:
             spec.optim.validate()
         except ConfigError as err:
             raise ConfigError(f"{name}.{err}") from err
+        if spec.model.dynamic_ids.enabled:  # its streams build tables from the data's id range
+            raise ConfigError(f"{name}.model.dynamic_ids: not supported by recstack exfm run yet")
 
 
 def load_exfm_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExfmConfig:

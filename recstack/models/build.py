@@ -72,7 +72,8 @@ def check_tables_fit(tables: list[TableConfig], optimizer: SparseOptimizerConfig
     raise ConfigError(
         f"table {t.name!r}: {t.num_embeddings:,} rows x {t.embedding_dim} need {format_bytes(need[big])} "
         f"({format_bytes(sum(need))} for all {len(tables)} tables), more than the {format_bytes(have)} of memory "
-        f"on {device}; cap the tables (model.max_table_size), hash the feature into fewer rows, or keep them in "
+        f"on {device}; cap the tables (model.max_table_size), hash the feature into fewer rows, key it by "
+        "raw ids in a table of fixed capacity (model.dynamic_ids), or keep them in "
         "memory tiers ([memory] budgets)")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from recstack.embedding.dynamic import DynamicIdsConfig
 from recstack.errors import ConfigError
 
 
@@ -43,7 +44,10 @@ class ModelConfig:
     ``embedding_init_bound`` > 0 draws every table's initial rows from uniform(-bound, bound); 0 (default) keeps the
     DLRM reference's uniform(-1/sqrt(rows), 1/sqrt(rows)), whose bound is large for small tables (0.58 for 3 rows,
     0.35 for 8): on data sets of a few small categorical fields those random starting values are noise the
-    interaction multiplies. FuxiCTR starts every table at normal(0, 1e-4)."""
+    interaction multiplies. FuxiCTR starts every table at normal(0, 1e-4).
+
+    ``dynamic_ids`` (``[model.dynamic_ids]``, ``recstack.embedding.dynamic``): tables keyed by raw int64 ids
+    through an id map with admission and eviction, each of ``capacity`` rows (not the data's id range)."""
 
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
@@ -64,6 +68,7 @@ class ModelConfig:
     mlp_norm: Literal["none", "batch", "layer"] = "none"
     table_dims: dict[str, int] = field(default_factory=dict)
     embedding_init_bound: float = 0.0
+    dynamic_ids: DynamicIdsConfig = field(default_factory=DynamicIdsConfig)
 
     def validate(self) -> None:
         """Ranges and widths; each ConfigError names the field. The widths the interaction needs of the bottom
@@ -91,6 +96,11 @@ class ModelConfig:
             raise ConfigError(f"model.bottom_dropout: must be in [0, 1), or -1 for model.dropout's rate, got "
                               f"{self.bottom_dropout}")
         self._check_dcn()
+        if self.dynamic_ids.enabled:
+            self.dynamic_ids.validate()
+            if self.qr_collisions:
+                raise ConfigError("model.dynamic_ids: not supported with quotient-remainder tables (model.qr_collisions"
+                                  f"={self.qr_collisions}): a dynamic table is already sized by its capacity")
         if self.interaction == "fm" and (self.table_dims or self.qr_collisions):
             key = "table_dims" if self.table_dims else "qr_collisions"
             raise ConfigError(f"model.{key}: not supported with model.interaction = 'fm' (DeepFM's tables carry "

@@ -13,6 +13,7 @@ from torch import nn
 
 from recstack.data.batch import Batch
 from recstack.embedding.collection import EmbeddingCollection
+from recstack.embedding.dynamic_stage import DynamicIds
 from recstack.embedding.qr import QRSplit
 from recstack.models.config import ModelConfig
 from recstack.models.fused_mlp import MLP, Norm
@@ -44,6 +45,9 @@ class DLRM(nn.Module):
         f = qr.num_features if qr is not None else embeddings.num_features
         self.embeddings = embeddings
         self.qr = qr
+        # The id maps of dynamic id tables (``recstack.embedding.dynamic_stage``), set by whoever trains or loads
+        # the model; an input stage, not part of the state dict (checkpoints keep them under ``dynamic_ids``).
+        self.dynamic_ids: DynamicIds | None = None
         self.num_dense = num_dense
         # No dense features -> no bottom MLP (schema-driven data sets may have only categorical columns).
         drop, norm = cfg.dropout, cfg.mlp_norm  # regularisation of both MLPs' hidden layers

@@ -77,7 +77,7 @@ def touched_tables(tables: list[dict[str, Any]], key: str, rows: np.ndarray) -> 
 def write_delta_tables(tmp: Path, arrays: GroupArrays, changed: dict[str, np.ndarray],
                        tables: list[dict[str, Any]]) -> dict[str, Any]:
     """The changed rows of every group into ``tmp/delta/`` -> the manifest's delta "groups" and "table_sha256"."""
-    (tmp / DELTA_DIR).mkdir()
+    (tmp / DELTA_DIR).mkdir(exist_ok=True)
     groups: dict[str, Any] = {}
     digests: dict[str, str] = {}
     for key, rows in changed.items():
@@ -158,3 +158,66 @@ def delta_base(manifest: dict[str, Any]) -> int | None:
     """The base version of a delta's manifest; None for a full artifact."""
     delta = manifest.get("delta")
     return int(delta["base"]["version"]) if isinstance(delta, dict) else None
+
+
+# -- dynamic id maps --------------------------------------------------------------------------------------------
+# A dynamic table's map travels as its rows' owners: row r of a table of C rows is owned by one raw id or by none
+# (-1). A delta carries the rows whose owner changed (admitted, evicted, reassigned) and their new owners.
+IdMap = tuple[np.ndarray, np.ndarray]  # (raw ids [K] int64 ascending, their rows [K] int64)
+
+
+def row_owners(id_map: IdMap, rows: int) -> np.ndarray:
+    """int64 [rows]: the raw id each row holds, -1 where none."""
+    owners = np.full(rows, -1, np.int64)
+    owners[id_map[1]] = id_map[0]
+    return owners
+
+
+def owners_to_map(owners: np.ndarray) -> IdMap:
+    """The inverse of ``row_owners``: (ids ascending, their rows)."""
+    rows = np.flatnonzero(owners >= 0).astype(np.int64)
+    ids = owners[rows]
+    order = np.argsort(ids, kind="stable")
+    return ids[order], rows[order]
+
+
+def id_map_digest(id_map: IdMap) -> str:
+    h = hashlib.sha256(np.ascontiguousarray(id_map[0], np.int64).data)
+    h.update(np.ascontiguousarray(id_map[1], np.int64).data)
+    return h.hexdigest()
+
+
+def write_delta_id_maps(tmp: Path, new: dict[str, IdMap], old: dict[str, IdMap],
+                        capacity: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """Each table's changed row owners into ``tmp/delta/`` -> the delta manifest's "dynamic_ids" entries:
+    {table: {"owner_rows", "owners", "changed", "count", "sha256" (of the resulting map)}}."""
+    (tmp / DELTA_DIR).mkdir(exist_ok=True)
+    out: dict[str, dict[str, Any]] = {}
+    for name, m in new.items():
+        now, before = row_owners(m, capacity[name]), row_owners(old[name], capacity[name])
+        rows = np.flatnonzero(now != before).astype(np.int64)
+        rel_rows, rel_owners = f"{DELTA_DIR}/ids.{name}.rows.npy", f"{DELTA_DIR}/ids.{name}.owners.npy"
+        np.save(tmp / rel_rows, rows, allow_pickle=False)
+        np.save(tmp / rel_owners, now[rows], allow_pickle=False)
+        out[name] = {"owner_rows": rel_rows, "owners": rel_owners, "changed": int(len(rows)),
+                     "count": int(len(m[0])), "sha256": id_map_digest(m)}
+    return out
+
+
+def apply_id_map_delta(base: IdMap, entry: dict[str, Any], capacity: int, path: Path,
+                       read: Callable[[str], np.ndarray]) -> IdMap:
+    """A table's id map after delta ``path``'s ``entry`` (the base's map is not modified); ArtifactError when the
+    files do not fit or the result is not the one the publisher had."""
+    rows, owners = read(entry["owner_rows"]), read(entry["owners"])
+    n = int(entry["changed"])
+    if rows.dtype != np.int64 or owners.dtype != np.int64 or rows.shape != (n,) or owners.shape != (n,):
+        raise ArtifactError(f"{path / entry['owner_rows']}: expected int64 [{n}] rows and owners")
+    if n and (rows.min() < 0 or rows.max() >= capacity):
+        raise ArtifactError(f"{path / entry['owner_rows']}: rows outside the table's {capacity}")
+    now = row_owners(base, capacity)
+    now[rows] = owners
+    result = owners_to_map(now)
+    if len(result[0]) != entry["count"] or id_map_digest(result) != entry["sha256"]:
+        raise ArtifactError(f"{path / 'manifest.json'}: an id map after the delta does not match its checksum (a "
+                            "damaged delta, or a base other than the one it was made on)")
+    return result

@@ -211,6 +211,7 @@ def artifact_manifest(cfg: Config, model: DLRM, data: DataDescription, layout: T
                   "feature_dims": list(emb.feature_dims) if model.projection is not None else None},
         "features": feats,
         "tables": layout.entries,
+        "dynamic_ids": dynamic_id_entries(model),
         "table_files": layout.files,
         "table_bytes": {"total": table_bytes, "fp32": fp32_bytes, "ratio": table_bytes / max(fp32_bytes, 1)},
         "dense_program": {"file": PROGRAM_FILE, "inputs": ["pooled", "dense"] if model.num_dense else ["pooled"],
@@ -237,6 +238,7 @@ def export_model(cfg: Config, model: DLRM, data: DataDescription, out: str | Pat
     widths = parse_table_widths(tables, list(table_widths), [t.name for t in emb.tables])
     layout = table_layout(emb, widths)
     doc, arrays = transforms_from_data(data)
+    arrays.update(dynamic_id_arrays(model))
 
     def fill(tmp: Path, version: int) -> dict[str, Any]:
         export_program(model, tmp / PROGRAM_FILE)
@@ -261,6 +263,21 @@ def export_model(cfg: Config, model: DLRM, data: DataDescription, out: str | Pat
     need += sum(a.nbytes for a in arrays.values())
     check_free_space(out, need, "the artifact")
     return write_artifact(out, fill)
+
+
+def dynamic_id_entries(model: DLRM) -> dict[str, dict[str, Any]]:
+    """The manifest's entry of each dynamic table's id map: {table: {"ids": rel, "rows": rel, "count": n}}."""
+    return {name: {k: f"dynamic_ids/{name}.{k}.npy" for k in ("ids", "rows")} | {"count": int(m.keys.numel())}
+            for name, m in (model.dynamic_ids.maps.items() if model.dynamic_ids is not None else ())}
+
+
+def dynamic_id_arrays(model: DLRM) -> dict[str, np.ndarray]:
+    """The files of the id maps: {rel: array}, each table's raw ids ascending (int64) and their rows, as
+    ``.npy`` files of the artifact (checksummed like every file)."""
+    out: dict[str, np.ndarray] = {}
+    for name, m in (model.dynamic_ids.maps.items() if model.dynamic_ids is not None else ()):
+        out[f"dynamic_ids/{name}.ids.npy"], out[f"dynamic_ids/{name}.rows.npy"] = m.arrays()
+    return out
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, tables: str = "fp32", table_widths: list[str] = (),  # type: ignore[assignment]

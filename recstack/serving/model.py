@@ -60,7 +60,7 @@ from recstack.data.batch import SparseFeatures
 from recstack.embedding.qr import QRSplit
 from recstack.models.build import table_configs
 from recstack.serving.artifact import MANIFEST, ArtifactError, RequestError, read_array, read_manifest
-from recstack.serving.delta import apply_delta, delta_base
+from recstack.serving.delta import IdMap, apply_delta, apply_id_map_delta, delta_base
 from recstack.serving.quantized import QuantizedEmbeddingCollection, QuantizedRows
 from recstack.serving.transforms import Bags, FeatureTransforms
 
@@ -195,6 +195,24 @@ class ServingModel:
             self.transforms = FeatureTransforms.load(path, manifest,
                                                      lambda rel: read_array(path, manifest, rel, verify))
         self.feature_names = self.transforms.feature_names
+        # Dynamic id tables: per feature, (raw ids ascending, their rows); unknown ids score with row 0.
+        self.id_maps: dict[int, IdMap] = {}
+        self.table_id_maps: dict[str, IdMap] = {}  # the same per table: what a delta's owner changes apply to
+        capacity = {t["name"]: int(t["rows"]) for t in tables}
+        for name, e in manifest.get("dynamic_ids", {}).items():
+            if "owner_rows" in e:  # a delta: the base's map with the rows whose owner changed
+                if base is None or name not in base.table_id_maps:
+                    raise ArtifactError(f"{path / 'manifest.json'}: dynamic_ids.{name}: a delta of an id map "
+                                        "needs its base's map")
+                id_map = apply_id_map_delta(base.table_id_maps[name], e, capacity[name], path,
+                                            lambda rel: read_array(path, manifest, rel, verify))
+            else:
+                id_map = (self._array(e["ids"], [e["count"]], "int64"),
+                          self._array(e["rows"], [e["count"]], "int64"))
+            self.table_id_maps[name] = id_map
+            for k, f in enumerate(manifest["features"]):
+                if f["table"] == name:
+                    self.id_maps[k] = id_map
         self.raw_fields, self.id_fields = self.transforms.raw_fields, self.transforms.id_fields
 
     def _array(self, rel: str, shape: list[int], dtype: str) -> np.ndarray:
@@ -256,7 +274,7 @@ class ServingModel:
         n, f = len(dense), len(bags)
         dense_t = torch.from_numpy(np.ascontiguousarray(dense, np.float32))
         if not any(s["multi_hot"] for s in t.features):  # one id a bag: [F, B] ids, capped at once
-            ids = np.stack([b[1] for b in bags]) % t.caps[:, None]
+            ids = np.stack([self._rows(k, b[1]) for k, b in enumerate(bags)])
             w = torch.ones(f * n) if t.needs_weights else None
             sparse = SparseFeatures(torch.from_numpy(ids.reshape(-1)), torch.arange(f * n + 1), f, w)
             return EncodedBatch(dense_t, sparse, oov, one_id_per_bag=True)
@@ -264,7 +282,7 @@ class ServingModel:
         length_parts: list[np.ndarray] = []
         weight_parts: list[np.ndarray] = []
         for k, (ln, fid, bag_w) in enumerate(bags):
-            id_parts.append(fid % t.caps[k] if t.caps[k] < t.rows[k] else fid)
+            id_parts.append(self._rows(k, fid))
             length_parts.append(ln)
             wk: np.ndarray = np.ones(len(fid), np.float32) if bag_w is None else bag_w.astype(np.float32)
             if t.features[k]["pooling"] == "mean":
@@ -277,6 +295,19 @@ class ServingModel:
                                 torch.from_numpy(offsets), f,
                                 torch.from_numpy(np.concatenate(weight_parts)) if t.needs_weights else None)
         return EncodedBatch(dense_t, sparse, oov)
+
+    def _rows(self, k: int, ids: np.ndarray) -> np.ndarray:
+        """Feature ``k``'s ids [n] -> rows of its table: through its id map (dynamic ids: unknown -> 0), else
+        capped (modulo, as the training loader does)."""
+        m = self.id_maps.get(k)
+        if m is None:
+            cap = self.transforms.caps[k]
+            return ids % cap if cap < self.transforms.rows[k] else ids
+        keys, rows = m
+        if not keys.size:
+            return np.zeros_like(ids)
+        pos = np.minimum(np.searchsorted(keys, ids), keys.size - 1)
+        return np.where(keys[pos] == ids, rows[pos], 0)
 
     # ------------------------------------------------------------------------------------------ score
     @torch.inference_mode()

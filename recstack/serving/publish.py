@@ -33,11 +33,12 @@ import numpy as np
 from recstack.data.format import DataDescription
 from recstack.errors import ConfigError
 from recstack.serving.artifact import MANIFEST, write_artifact
-from recstack.serving.delta import changed_rows, write_delta_tables
+from recstack.serving.delta import IdMap, changed_rows, write_delta_id_maps, write_delta_tables
 from recstack.serving.export import (
     PROGRAM_FILE,
     TableLayout,
     artifact_manifest,
+    dynamic_id_arrays,
     export_program,
     parse_table_widths,
     quantize_tables,
@@ -100,6 +101,7 @@ class Publisher:
         self._layout: TableLayout | None = None
         self._arrays: GroupArrays = {}
         self._transforms_sha: str | None = None
+        self._id_maps: dict[str, IdMap] = {}
         self._full_version, self._chain, self._chain_bytes, self._full_bytes = 0, 0, 0, 0
 
     # -- the PartitionHook -----------------------------------------------------------------------------
@@ -134,6 +136,9 @@ class Publisher:
         quantize_tables(emb, layout, arrays)
         doc, t_arrays = transforms_from_data(data)
         t_sha = _transforms_digest(doc, t_arrays)
+        # dynamic id tables: their maps, whole in a full version, the rows whose owner changed in a delta
+        id_maps = {name: m.arrays() for name, m in model.dynamic_ids.maps.items()} if model.dynamic_ids else {}
+        capacity = {t.name: t.num_embeddings for t in emb.tables}
         total = sum(len(c) for c, _ in arrays.values())
         same_layout = self._layout is not None and self._layout.files == layout.files \
             and self._layout.entries == layout.entries
@@ -157,12 +162,13 @@ class Publisher:
                     np.save(tmp / f["data"], codes, allow_pickle=False)
                     if sb is not None:
                         np.save(tmp / f["scale_bias"], sb, allow_pickle=False)
-                write_transforms(tmp, doc, t_arrays)
+                write_transforms(tmp, doc, {**t_arrays, **dynamic_id_arrays(model)})
                 return manifest
             assert self._base is not None
             own_transforms = t_sha != self._transforms_sha
             if own_transforms:
                 write_transforms(tmp, doc, t_arrays)
+            manifest["dynamic_ids"] = write_delta_id_maps(tmp, id_maps, self._id_maps, capacity)
             manifest["delta"] = {
                 "base": {"version": self._base[0], "manifest_sha256": self._base[1]},
                 "full": self._full_version, "chain": self._chain + 1,
@@ -178,7 +184,7 @@ class Publisher:
         manifest_bytes = (path / MANIFEST).read_bytes()
         size = len(manifest_bytes) + sum(e["bytes"] for e in json.loads(manifest_bytes)["files"].values())
         self._base = (version, hashlib.sha256(manifest_bytes).hexdigest())
-        self._layout, self._arrays, self._transforms_sha = layout, arrays, t_sha
+        self._layout, self._arrays, self._transforms_sha, self._id_maps = layout, arrays, t_sha, id_maps
         if full:
             self._full_version, self._chain, self._chain_bytes, self._full_bytes = version, 0, 0, size
         else:

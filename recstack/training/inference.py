@@ -15,6 +15,7 @@ from recstack.data.integrity import check_values
 from recstack.data.loader import BatchLoader
 from recstack.data.prepared_dataset import PreparedDataset
 from recstack.data.sources import held_out_rows
+from recstack.embedding.dynamic_stage import DynamicIds, dynamic_table_layout
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_model
@@ -59,6 +60,9 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", last:
         emb.restore_tensors(*tables)
     elif emb.stores_rows_in_files:  # cached embedding tiers: their rows are files beside the checkpoint's state
         emb.restore_files(state.get("checkpoint_dir"))
+    if cfg.model.dynamic_ids.enabled:  # the id maps, for lookups only (eval, predict, export)
+        model.dynamic_ids = DynamicIds(cfg.model.dynamic_ids, list(state["table_names"]), None, cfg.train.seed)
+        model.dynamic_ids.load_state_dict(state)
     model.eval()
     return cfg, model
 
@@ -110,6 +114,7 @@ def check_data(cfg: Config, model: DLRM, data: DataDescription) -> None:
             f"the model{trained_on} expects {model.num_dense} / {len(sizes)}"
         )
     have = capped_table_sizes(data.table_sizes, cfg.model.max_table_size)
+    have = dynamic_table_layout(cfg.model.dynamic_ids, data.table_names, have, None, [0] * len(have))[0]
     names, tables = data.table_names, emb.feature_table
     for i, s in enumerate(data.sparse_features):
         if have[i] != sizes[i]:
@@ -135,7 +140,11 @@ def _loader(
     check_data(cfg, model, data)
     check_values(data, rows)  # labels, dense inputs, bags: an error naming the file and row, not NaN metrics
     caps = model.feature_rows() if cfg.model.max_table_size > 0 else None
-    return BatchLoader(data, batch_size, rows, drop_last=False, table_caps=caps)
+    dyn = model.dynamic_ids
+    if dyn is not None:  # raw ids of the dynamic tables: looked up in their maps (unknown -> row 0), no modulo
+        caps = [0 if f in dyn.dynamic_features else n for f, n in enumerate(model.feature_rows())]
+    return BatchLoader(data, batch_size, rows, drop_last=False, table_caps=caps,
+                       transform=dyn.lookup_batch if dyn is not None else None)
 
 
 @torch.no_grad()

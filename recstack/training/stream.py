@@ -26,6 +26,7 @@ from recstack.data.format import DataDescription
 from recstack.data.loader import BatchLoader
 from recstack.data.stream.partition import PartitionReader, PartitionRows
 from recstack.data.stream.source import Partition, StreamSource
+from recstack.embedding.dynamic_stage import dynamic_table_layout
 from recstack.errors import ConfigError
 from recstack.training.checkpoint.state import Stateful, StreamState
 from recstack.training.evaluate import evaluate_loader, figures
@@ -47,7 +48,7 @@ class StreamTrainer(Trainer):
         super().__init__(cfg, output_dir, resume=resume, overwrite=overwrite)
 
     def data_description(self) -> DataDescription:
-        return self.reader.describe(Path(self.source.location))
+        return self.reader.describe(Path(self.source.location), [c == 0 for c in self.table_caps])
 
     def add_hook(self, hook: PartitionHook) -> None:
         """Call ``hook`` after every partition's checkpoint and once at the end (in the order added)."""
@@ -66,8 +67,11 @@ class StreamTrainer(Trainer):
                               "evaluation set); unset them")
         layout = self.reader.layout
         self.num_dense, self.table_names = len(layout.dense_names), layout.table_names
-        self.zero_rows, self.table_sizes = layout.reserved_rows, layout.table_sizes
-        self.table_caps: list[int] = list(layout.table_sizes)
+        # dynamic tables: capacity rows, and a cap of 0 (their raw ids reach the id map in the input pipeline)
+        self.table_sizes, caps, self.zero_rows = dynamic_table_layout(
+            self.cfg.model.dynamic_ids, layout.table_names, layout.table_sizes, list(layout.table_sizes),
+            layout.reserved_rows)
+        self.table_caps: list[int] = list(caps if caps is not None else layout.table_sizes)
         self.has_eval = False
 
     def _data_states(self, resume_on_new_data: bool) -> tuple[list[Stateful], list[Stateful]]:

@@ -34,6 +34,7 @@ from recstack.data.sources import prepare_data
 from recstack.distributed import agreement, parallelize
 from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
+from recstack.embedding.dynamic_stage import DynamicIds, dynamic_table_layout
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.errors import ConfigError, PeerFailure
 from recstack.io import atomic_write_text
@@ -118,6 +119,7 @@ class Trainer:
         self._reliability: dict[str, list[Any]] | None = None  # of the latest evaluation
         # The monitor's state is in the checkpoint only when it is used: other runs' checkpoints stay as they were.
         selection: list[Stateful] = [self.monitor] if self.monitor.active else []
+        selection += [self.dynamic] if self.dynamic is not None else []
         data, position = self._data_states(resume_on_new_data)
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints" if self.output_dir else None, self.model.embeddings, self.world,
@@ -163,9 +165,11 @@ class Trainer:
         train_range = (0, eval_range[0]) if self.eval_ds is self.train_ds else (0, len(self.train_ds))
         self.data_record = data_record(cfg.data, self.train_ds, train_range)
         self.num_dense, self.table_names = len(self.train_ds.dense_features), self.train_ds.table_names
-        self.zero_rows = [s.reserved_rows for s in self.train_ds.sparse_features]
-        self.table_sizes = capped_table_sizes(self.train_ds.table_sizes, cfg.model.max_table_size)
-        caps = self.table_sizes if cfg.model.max_table_size > 0 else None
+        table_sizes = capped_table_sizes(self.train_ds.table_sizes, cfg.model.max_table_size)
+        caps = table_sizes if cfg.model.max_table_size > 0 else None
+        self.table_sizes, caps, self.zero_rows = dynamic_table_layout(  # dynamic tables: capacity rows, raw ids
+            cfg.model.dynamic_ids, self.table_names, table_sizes, caps,
+            [s.reserved_rows for s in self.train_ds.sparse_features])
         self.train_loader = BatchLoader(self.train_ds, t.batch_size, train_range, shuffle=t.shuffle, seed=t.seed,
                                         drop_last=t.drop_last, table_caps=caps, rank=self.rank, world_size=self.world,
                                         shuffle_window=t.shuffle_window)
@@ -196,9 +200,14 @@ class Trainer:
         quotient-remainder split, the cached tiers' prefetch hook and (a GPU) the staging copy in the loader
         thread, and with ``dist.pipeline`` the id messages built there (exchanged in this thread, a batch ahead)."""
         d = self.cfg.dist
+        # before any sharding: under torchrun dynamic ids stop here with a ConfigError, alike on every rank
+        self.dynamic = DynamicIds(self.cfg.model.dynamic_ids, self.table_names, self.model.embeddings,
+                                  self.cfg.train.seed, self.world) if self.cfg.model.dynamic_ids.enabled else None
         if self.world > 1:
             self._shard()
-        self.input_pipeline = InputPipeline(self.model, self.device, pipelined=self.world > 1 and d.pipeline)
+        self.model.dynamic_ids = self.dynamic  # what an export of the model serves raw ids with
+        self.input_pipeline = InputPipeline(self.model, self.device, pipelined=self.world > 1 and d.pipeline,
+                                            dynamic=self.dynamic)
         self._attach_transforms()
 
     def _attach_transforms(self) -> None:
@@ -320,6 +329,7 @@ class Trainer:
             # bytes and seconds per collective, cache counters, since the last log line
             values.update({k: v / n for k, v in self.model.embeddings.pop_counters().items()})
             values.update(self.compression.metrics(n))  # eb: ratio, codec time, bounds in force
+            values.update(self.dynamic.stats() if self.dynamic is not None else {})
             self.logger.log(p.step, "train", values)
             bar.set_postfix(loss=f"{values['loss']:.4f}", samples_s=f"{values['samples_per_sec']:,.0f}")
         return loss
@@ -331,6 +341,7 @@ class Trainer:
         summary = summarize(final, self.progress, self.world, self.cfg.train.target_auc, oracle, self._reliability)
         summary.update(self.validator.summary_fields())
         summary.update(extra or {})
+        summary.update(self.dynamic.stats() if self.dynamic is not None else {})
         if self.output_dir and self.is_main:
             write_summary(summary, self.output_dir, self.world > 1, self.cfg.dist.pipeline)
         self.logger.close()

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from recstack.data.batch import Batch, SparseFeatures
-from recstack.data.format import SparseFeatureSpec
+from recstack.data.format import RAW_ID_RANGE, SparseFeatureSpec
 from recstack.data.prepare.criteo import DENSE_NAMES, DENSE_TRANSFORM, SPARSE_NAMES, CriteoReader
 from recstack.data.prepare.encode import Encoder, EncodingState, parse_chunk
 from recstack.data.prepare.readers import open_source
@@ -92,9 +92,10 @@ class PartitionReader(Protocol):
 
     def read(self, path: Path) -> PartitionRows: ...
 
-    def describe(self, directory: Path) -> StreamDescription:
+    def describe(self, directory: Path, raw: list[bool]) -> StreamDescription:
         """The partitions of ``directory`` (the stream's location) as export and serving see the data
-        (features, tables, transforms)."""
+        (features, tables, transforms); ``raw``: per feature, whether its ids reach the model raw (a dynamic id
+        table keyed by them) instead of modulo its table's rows."""
         ...
 
 
@@ -105,9 +106,14 @@ class CriteoPartitions:
         self.layout = StreamLayout(list(DENSE_NAMES), list(SPARSE_NAMES), [table_rows] * len(SPARSE_NAMES),
                                    [0] * len(SPARSE_NAMES))
 
-    def describe(self, directory: Path) -> StreamDescription:
-        """Served as a hashed Criteo set: the server takes raw rows and applies ``raw % rows`` as the loader."""
-        rows = self.layout.table_sizes[0]
+    def describe(self, directory: Path, raw: list[bool]) -> StreamDescription:
+        """Served as a hashed Criteo set: the server takes raw rows and applies ``raw % rows`` as the loader, or
+        keeps the raw values when every table is dynamic (one ``max_ind_range`` holds for all 26 features, so
+        either all tables or none may be dynamic)."""
+        if any(raw) and not all(raw):
+            raise StreamError(f"--stream {directory}: a raw Criteo stream is exported with one id range for its 26 "
+                              "features, so either every table or none is dynamic (model.dynamic_ids.tables)")
+        rows = RAW_ID_RANGE if any(raw) else self.layout.table_sizes[0]
         info = {"source": "criteo", "dense_transform": DENSE_TRANSFORM,
                 "categorical": {"mode": "hash", "max_ind_range": rows, "formula": "raw % max_ind_range"}}
         return StreamDescription(directory, info, list(DENSE_NAMES),
@@ -142,7 +148,7 @@ class SchemaPartitions:
                                    [self.encoder.num_embeddings(s) for s in schema.sparse],
                                    [RESERVED_ROWS[s.encoding] for s in schema.sparse])
 
-    def describe(self, directory: Path) -> StreamDescription:
+    def describe(self, directory: Path, raw: list[bool]) -> StreamDescription:
         """Served with the schema's own encoders (hash and identity need no learned statistics)."""
         info = {"reader": "schema", "schema": self.schema.to_dict(), "dense_stats": {}}
         return StreamDescription(directory, info, [d.name for d in self.schema.dense],

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 # DATA_STREAM also key the labels that ``synth.generate`` draws).
 _VERTICAL, _TIME, _RANK, _DENSE_Z, _DENSE_EPS, _DENSE_ZERO, LABEL = range(1, 8)
 _PERM, _EFFECT, _EFFECT_VERT, _IMPORTANCE, _DENSE_PARAM, _BASE_DRIFT = range(10, 16)
+_CHURN, RAW_ID = 16, 17
 DATA_STREAM, _CALIBRATION_STREAM = 0, 1
 _DENSE_FACTORS = 2  # shared latent "activity" factors that make the dense counts correlated
 
@@ -135,7 +136,24 @@ class ClickModel:
                 m = vertical == v
                 ranks[m, f] = zipf_ranks(u[m], perm.n, self.cfg.zipf_exponent)
                 ids[m, f] = perm.forward(ranks[m, f]) * nv + v
+        if self.cfg.id_churn > 0:
+            ids = self._churned(ids, time)
         return Rows(idx, time, vertical, ranks, ids, self._dense(idx, stream))
+
+    def _churned(self, ids: np.ndarray, time: np.ndarray) -> np.ndarray:
+        """``id_churn``: each id slot (an id of [0, size), with its popularity) is held by a new identity every
+        1 / id_churn days, at a phase of its own, so a share id_churn of each table's ids leaves and as many new
+        ones arrive each day. Identity g of slot s is s + stride * g (stride a multiple of num_verticals, so the
+        vertical table still reveals the vertical); effects are hashed from it, so a new id has new effects."""
+        out = np.empty_like(ids)
+        day = np.floor(time)
+        for f, size in enumerate(self.sizes):
+            nv = self.cfg.num_verticals if f == self.vt else 1
+            stride = -(-size // nv) * nv
+            phase = uniform(keyed(scalar_key(self.cfg.seed, _CHURN, f), ids[:, f]))
+            gen = np.floor(day * self.cfg.id_churn + phase).astype(np.int64)
+            out[:, f] = ids[:, f] + stride * gen
+        return out
 
     def _dense(self, idx: np.ndarray, stream: int) -> np.ndarray:
         d = self.cfg.num_dense

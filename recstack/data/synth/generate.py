@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from recstack.data.format import SparseFeatureSpec
+from recstack.data.format import RAW_ID_RANGE, SparseFeatureSpec
 from recstack.data.prepared_writer import PreparedWriter
-from recstack.data.synth.click_model import DATA_STREAM, LABEL, ClickModel, sigmoid
+from recstack.data.synth.click_model import DATA_STREAM, LABEL, RAW_ID, ClickModel, sigmoid
 from recstack.data.synth.zipf import keyed, scalar_key, uniform
 from recstack.metrics import streaming_auc
 
@@ -62,6 +62,10 @@ class SynthConfig:
     effect_head_rank: float = 10.0  # id effects shrink as 1 / (1 + rank / this) (0: no shrinkage)
     table_importance_spread: float = 0.5  # log-normal spread of per-table effect strengths
     calibration_rows: int = 32768  # rows per vertical used to fit the scales and intercepts
+    # A stream whose ids come and go: each day a share id_churn of every table's ids is replaced by new ones
+    # (``ClickModel._churned``); needs raw_ids, as the ids then leave [0, table size).
+    id_churn: float = 0.0
+    raw_ids: bool = False  # ids written as raw int64 values (hashed, large and sparse) for dynamic id tables
 
     def __post_init__(self) -> None:
         self.table_sizes = tuple(int(s) for s in self.table_sizes)
@@ -101,6 +105,10 @@ class SynthConfig:
         ):
             if not getattr(self, name) >= 0.0:
                 raise bad(name, "must be >= 0")
+        if not 0.0 <= self.id_churn <= 1.0:
+            raise bad("id_churn", "must lie in [0, 1] (the share of ids replaced per day)")
+        if self.id_churn and not self.raw_ids:
+            raise bad("id_churn", "needs raw_ids = true (churned ids leave the table's id range)")
         if not 0.0 <= self.vertical_effect_share <= 1.0:
             raise bad("vertical_effect_share", "must lie in [0, 1]")
         v = self.num_verticals
@@ -151,6 +159,11 @@ class SynthConfig:
         return cls(**d)
 
 
+def raw_ids(ids: np.ndarray, keys: list[np.uint64]) -> np.ndarray:
+    """ids [n, T] -> raw ids [n, T] int64 in [0, 2**62): a keyed hash per table, as a log's hashed ids look."""
+    return np.stack([(keyed(k, ids[:, f]) >> np.uint64(2)).astype(np.int64) for f, k in enumerate(keys)], axis=1)
+
+
 def generate(
     cfg: SynthConfig, out_dir: Path, *, chunk_rows: int = 262144, progress: bool = True, overwrite: bool = False
 ) -> Path:
@@ -164,12 +177,13 @@ def generate(
         raise ValueError(f"generate: chunk_rows must be >= 1, got {chunk_rows}")
     model = ClickModel(cfg)
     label_key = scalar_key(cfg.seed, DATA_STREAM, LABEL)
-    specs = [SparseFeatureSpec(f"C{f + 1}", n) for f, n in enumerate(model.sizes)]
+    specs = [SparseFeatureSpec(f"C{f + 1}", RAW_ID_RANGE if cfg.raw_ids else n) for f, n in enumerate(model.sizes)]
+    raw_keys = [scalar_key(cfg.seed, RAW_ID, f) for f in range(len(model.sizes))]
     extras = {"probability": "float32", "vertical": "int16", "timestamp": "int64", "example_id": "int64"}
     dense_names = [f"I{j + 1}" for j in range(cfg.num_dense)]
     clicks = 0
     with (
-        PreparedWriter(out_dir, dense_names, specs, extras, overwrite=overwrite) as writer,
+        PreparedWriter(out_dir, dense_names, specs, extras, overwrite=overwrite, raw_ids=cfg.raw_ids) as writer,
         tqdm(total=cfg.rows, unit="row", unit_scale=True, disable=not progress, desc="synth") as bar,
     ):
         for start in range(0, cfg.rows, chunk_rows):
@@ -184,7 +198,7 @@ def generate(
                 for k, v in (
                     ("labels", (uniform(keyed(label_key, rows.index)) < p).astype(np.float32)),
                     ("dense", rows.dense),
-                    ("sparse", rows.ids.astype(np.int32)),
+                    ("sparse", raw_ids(rows.ids, raw_keys) if cfg.raw_ids else rows.ids.astype(np.int32)),
                     ("probability", p),
                     ("vertical", rows.vertical.astype(np.int16)),
                     ("timestamp", (rows.index * cfg.num_days) // cfg.rows),
