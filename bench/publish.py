@@ -165,8 +165,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--partitions", type=int, default=20, help="partitions of the freshness stream")
     ap.add_argument("--arrival-s", type=float, default=1.0, help="seconds between the stream's partitions")
     ap.add_argument("--partition-steps", type=int, default=10, help="batches of 64 rows per partition")
-    ap.add_argument("--stream-partitions", type=int, default=8, help="partitions of the stream arm (default 8)")
-    ap.add_argument("--stream-rows", type=int, default=250, help="Criteo rows per stream arm partition")
+    # 16 of 125 rows: the 2,000 rows of the sample over 30 s, so that partitions arrive after the server's start too
+    ap.add_argument("--stream-partitions", type=int, default=16, help="partitions of the stream arm (default 16)")
+    ap.add_argument("--stream-rows", type=int, default=125, help="Criteo rows per stream arm partition (default 125)")
     ap.add_argument("--stream-arrival-s", type=float, default=2.0, help="seconds between the stream arm's partitions")
     ap.add_argument("--stream-publish-every-s", type=float, default=5.0,
                     help="the stream arm's recstack train --publish-every-s (default 5)")
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.tables, args.rows, args.percents, args.steps = 2, 2000, [5.0], 2
         args.every_s, args.partitions, args.partition_steps, args.arrival_s = 1.0, 3, 2, 0.5
-        args.stream_partitions, args.stream_arrival_s, args.stream_publish_every_s = 3, 1.0, 2.0
+        args.stream_partitions, args.stream_rows, args.stream_arrival_s, args.stream_publish_every_s = 3, 250, 1.0, 2.0
     sspec = StreamSpec(partitions=args.stream_partitions, rows=args.stream_rows, arrival_s=args.stream_arrival_s,
                        publish_every_s=args.stream_publish_every_s, idle_s=2.0 if args.quick else 5.0)
     torch.set_num_threads(args.threads)

@@ -46,8 +46,8 @@ class StreamSpec:
     ``publish_every_s`` and ``idle_s``; the server's ``watch_s``; the poller's ``poll_s``; ``timeout_s`` for the
     whole arm."""
 
-    partitions: int = 8
-    rows: int = 250
+    partitions: int = 16
+    rows: int = 125
     arrival_s: float = 2.0
     publish_every_s: float = 5.0
     idle_s: float = 5.0
