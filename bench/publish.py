@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.stream_partitions, args.stream_rows, args.stream_arrival_s, args.stream_publish_every_s = 3, 250, 1.0, 2.0
     sspec = StreamSpec(partitions=args.stream_partitions, rows=args.stream_rows, arrival_s=args.stream_arrival_s,
                        publish_every_s=args.stream_publish_every_s, idle_s=2.0 if args.quick else 5.0)
+    if not args.criteo.is_file():  # now, not after the other arms
+        ap.error(f"--criteo: {args.criteo} not found (set RECSTACK_SHARED_DATA to the directory holding "
+                 f"criteo_kaggle_sample.tsv, or name a raw Criteo TSV)")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-publish-") as tmp_s:
         tmp = Path(tmp_s)

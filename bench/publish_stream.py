@@ -151,6 +151,8 @@ def stream_arm(tmp: Path, spec: StreamSpec, criteo: Path, server_cls: Any) -> di
             version_1_s = time.time() - t0
             server = server_cls(root, tmp / "stream-serve.log", spec.watch_s)
             while not _healthy(server):
+                if time.time() - t0 > spec.timeout_s:
+                    raise RuntimeError(f"recstack serve not answering /healthz after {spec.timeout_s:g} s")
                 time.sleep(0.1)
             server_up_s = time.time() - t0
             trainer_done: float | None = None
