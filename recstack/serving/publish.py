@@ -191,9 +191,11 @@ class Publisher:
             self._chain, self._chain_bytes = self._chain + 1, self._chain_bytes + size
         self._published_at, self._published_step = self.clock(), trainer.step
         out = Published(path, version, full, size, time.perf_counter() - start, 1.0 if full else n_changed / total)
-        trainer.logger.log(trainer.step, "publish", {
-            "publish_seconds": out.seconds, "publish_bytes": out.bytes, "delta_fraction": out.delta_fraction,
-            "changed_fraction": n_changed / total if same_layout else 1.0, "version": version, "full": full})
+        record = {"publish_seconds": out.seconds, "publish_bytes": out.bytes, "delta_fraction": out.delta_fraction,
+                  "changed_fraction": n_changed / total if same_layout else 1.0, "version": version, "full": full}
+        if self.newest_arrival is not None:  # the trainer's side of freshness: arrival -> version on disk
+            record["published_after_arrival_s"] = max(self.clock() - self.newest_arrival, 0.0)
+        trainer.logger.log(trainer.step, "publish", record)
         return out
 
 

@@ -67,6 +67,10 @@ def test_a_stream_published_while_it_trains_is_served(shared_data: Path, tmp_pat
     assert "delta" not in manifests[1] and manifests[2]["delta"]["base"]["version"] == 1
     assert set(manifests[2]["dynamic_ids"]) == {f"C{j}" for j in range(1, 27)}  # the maps' changes travel
     assert manifests[2]["freshness"]["partition"] == "part-001"
+    published = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    published = [r for r in published if r["kind"] == "publish"]
+    assert [(r["version"], r["full"]) for r in published] == [(1, 1), (2, 0)]
+    assert all(r["published_after_arrival_s"] > 0 for r in published)
     with running([str(root), "--watch", str(root), "--watch-interval", "0.5"], tmp_path / "serve.log") as server:
         rows, want = offline(run, parts[1])
         assert np.abs(served(server, rows) - want).max() <= 1e-5  # version 2: version 1 and its delta
