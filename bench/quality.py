@@ -21,7 +21,7 @@ Sources, not data sets, are what a recipe is judged across: after the runs, a le
 (``quality_sources.loso``) gives each data set's source, the sources its recipe was chosen on, and the verdicts.
 
 Each split is written once as CSV files that both libraries read: recstack prepares them with
-``recstack data prepare --schema configs/schemas/<layout>_csv.toml``, FuxiCTR encodes them with its
+``recstack data prepare --schema configs/schemas/<source>_csv.toml``, FuxiCTR encodes them with its
 feature processor (bench/quality_fuxictr.py, in FuxiCTR's own environment). recstack runs through its CLI only
 (``train``, then ``eval --checkpoint RUN --data TEST``) with the recipe of ``configs/recipes/`` for the layout; with
 the recipe's early stopping the best checkpoint by validation AUC is scored (``eval`` takes it), else the last.
