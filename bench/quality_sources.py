@@ -142,9 +142,9 @@ def criteo_rows(path: Path) -> list[dict[str, str]]:
 # ----------------------------------------------------------------------------------------------- new sources
 
 
-def _log1p(v: object) -> str:
+def _log1p(v: float | None) -> str:
     """A count as log(1 + max(x, 0)) text (the DLRM reference's transform); a missing one stays empty."""
-    return "" if v is None else repr(math.log1p(max(float(v), 0.0)))  # type: ignore[arg-type]
+    return "" if v is None else repr(math.log1p(max(float(v), 0.0)))
 
 
 def _text(v: object) -> str:
