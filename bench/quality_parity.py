@@ -21,8 +21,8 @@ PARITY_MODELS = ("DLRM", "DCNv2")
 
 def parity_config(layout: str, model: str) -> str:
     """The recstack config (relative to the repository) that expresses FuxiCTR ``model``'s settings for the
-    data set ``layout`` (criteo, else movielens)."""
-    return f"configs/parity/{'criteo' if layout == 'criteo' else 'movielens'}_{model.lower()}.toml"
+    data set ``layout`` (movielens, else criteo: the settings for numeric fields)."""
+    return f"configs/parity/{'movielens' if layout == 'movielens' else 'criteo'}_{model.lower()}.toml"
 
 
 def epoch_eval(config: str, train_rows: int, root: Path) -> str:

@@ -4,7 +4,8 @@ The layouts, checked in this order:
 - a multi-hot feature (a history or genre list): ``ratings_history.toml`` (bottom MLP for the dense features,
   row-wise Adagrad embeddings, Adam for the dense part);
 - no dense feature (libFM/libSVM files, categorical-only logs): ``categorical.toml`` (no bottom MLP);
-- dense and single-valued categorical features (the Criteo layout): ``criteo_small.toml`` below
+- dense and single-valued categorical features (the Criteo layout, and tabular logs such as ``bench/quality.py``'s
+  clothing reviews and census table): ``criteo_small.toml`` below
   ``SMALL_CRITEO_ROWS`` rows (Adam, row-wise Adagrad with L2, several epochs with early stopping), else
   ``criteo.toml`` (the DLRM reference setup, one epoch of SGD, for Criteo-sized logs).
 """

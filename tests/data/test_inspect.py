@@ -143,6 +143,22 @@ def test_inspect_suggests_the_recipe_of_the_layout(files: dict, tmp_path: Path,
     cases.append(([str(csv), "--schema", str(criteo_schema)], "configs/recipes/criteo_small.toml"))
     # Only the first rows read: the size is not known, so the recipe for Criteo-sized logs.
     cases.append(([str(csv), "--schema", str(criteo_schema), "--rows", "20"], "configs/recipes/criteo.toml"))
+    # The tabular layouts of bench/quality.py's other sources (a few categorical fields, one or a few numeric
+    # ones): with their schemas, and as a user's raw file with none (the schema inferred).
+    clothing = tmp_path / "clothing.csv"
+    clothing.write_text("label,clothing_id,age,division,department,class_name,positive_feedback\n" + "".join(
+        f"{int(rng.integers(2))},{rng.integers(1000)},{rng.integers(18, 90)},General,Dresses,Knits,"
+        f"{rng.random():.3f}\n" for _ in range(60)))
+    cases.append(([str(clothing), "--schema", str(REPO / "configs" / "schemas" / "clothing_csv.toml")],
+                  "configs/recipes/criteo_small.toml"))
+    cases.append(([str(clothing)], "configs/recipes/criteo_small.toml"))
+    adult = tmp_path / "adult.csv"
+    adult.write_text("label,workclass,education,marital_status,occupation,relationship,race,gender,native_country,"
+                     "age,fnlwgt,education_num,capital_gain,capital_loss,hours_per_week\n" + "".join(
+                         f"{int(rng.integers(2))}," + ",".join(f"v{rng.integers(5)}" for _ in range(8)) + ","
+                         + ",".join(f"{rng.random() * 10:.3f}" for _ in range(6)) + "\n" for _ in range(60)))
+    cases.append(([str(adult), "--schema", str(REPO / "configs" / "schemas" / "adult_csv.toml")],
+                  "configs/recipes/criteo_small.toml"))
     for args, recipe in cases:
         assert main(["data", "inspect", *args]) == 0
         lines = capsys.readouterr().out.splitlines()
