@@ -110,8 +110,12 @@ def worker(spec: dict[str, Any]) -> None:
                         counters[k] = counters.get(k, 0.0) + v
     per_rank: list[Any] = [None] * WORLD
     dist.all_gather_object(per_rank, {"rank": rank, "counters": counters, "build_s": build_s})
+    # A barrier before tearing down: gloo's worker thread releases the all-gather's tensors (it needs the GIL for
+    # that) before the main thread, holding the GIL, joins it in the process group's destructor.
+    dist.barrier()
     for m in models.values():
         m.trainer.close()
+    models.clear()  # the DDP reducers go while the process group still exists
     dist.destroy_process_group()
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps({"times": times, "per_rank": per_rank,
