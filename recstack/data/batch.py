@@ -99,10 +99,6 @@ class Batch:
     ``global_rows``: rows of the global batch this batch is one rank's slice of (set by the training loader;
     None: the batch stands alone). A short last global batch is split unevenly over the ranks, and a training
     step weights its loss by it so that the step's gradient is the mean over the rows actually present.
-
-    ``raw_ids``: [N] int64, ``sparse.ids`` as they were read (feature-major, the same bags) before
-    ``recstack.data.loader.cap_ids`` took them modulo their tables; None when no cap was applied (then
-    ``sparse.ids`` are the ids as read). A dynamic id table maps these to rows in a loader transform.
     """
 
     dense: torch.Tensor
@@ -110,7 +106,6 @@ class Batch:
     labels: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     global_rows: int | None = None
-    raw_ids: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -123,7 +118,6 @@ class Batch:
             self.labels.to(device, non_blocking=non_blocking),
             {k: v.to(device, non_blocking=non_blocking) for k, v in self.extras.items()},
             self.global_rows,
-            self.raw_ids.to(device, non_blocking=non_blocking) if self.raw_ids is not None else None,
         )
 
     def pin_memory(self) -> Batch:
@@ -135,7 +129,6 @@ class Batch:
             self.labels.pin_memory(),
             {k: v.pin_memory() for k, v in self.extras.items()},
             self.global_rows,
-            self.raw_ids.pin_memory() if self.raw_ids is not None else None,
         )
 
 

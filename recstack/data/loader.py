@@ -65,11 +65,9 @@ class RowSet(Protocol):
 def cap_ids(batch: Batch, caps: torch.Tensor) -> None:
     """The one place where ids become rows of ordinary tables, in place: feature f's ids modulo ``caps[f]``
     (``model.max_table_size``, or a stream's table sizes). A cap of 0 leaves that feature's ids as they are (a
-    dynamic id table maps raw ids to rows in a loader transform instead). The ids as read stay on the batch as
-    ``batch.raw_ids``."""
+    dynamic id table maps raw ids to rows in a loader transform instead)."""
     s = batch.sparse
     per_id = caps.repeat_interleave(s.ids_per_feature)  # B may be 0 (a short last batch)
-    batch.raw_ids = s.ids
     if bool((caps > 0).all()):
         s.ids = torch.remainder(s.ids, per_id)
     else:
