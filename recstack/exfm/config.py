@@ -1,8 +1,9 @@
 """Typed configuration of an ExFM experiment (``configs/exfm_*.toml``).
 
-Sections: ``[data]`` (the stream: synthetic or MovieLens), ``[stream]`` (windows, FM publishing, staleness
-schedule), ``[fm]`` and ``[vm]`` (each a ``model``/``optim`` pair in the layout of ``recstack.config`` plus a
-batch size), ``[distill]`` (the losses of the VM arms) and ``[experiment]`` (arms x staleness x seeds, workers).
+Sections: ``[data]`` (the stream: synthetic, MovieLens, a prepared set or a directory stream), ``[stream]``
+(windows, FM publishing, staleness schedule), ``[fm]`` and ``[vm]`` (each a ``model``/``optim`` pair in the
+layout of ``recstack.config`` plus a batch size), ``[distill]`` (the losses of the VM arms) and ``[experiment]``
+(arms x staleness x seeds, workers).
 Unknown keys and wrong types are errors naming the file and the key, as for ``recstack train``.
 """
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from recstack.data.synth.generate import SynthConfig
     from recstack.exfm.movielens import MovieLensConfig
 
+SOURCES = ("synth", "movielens", "prepared", "stream")
 ARMS = ("alone", "distill", "distill_sa", "aux", "aux_sa")
 ADAPTER_ARMS = ("distill_sa", "aux_sa")
 ARM_TITLES = {
@@ -35,14 +37,29 @@ ARM_TITLES = {
 
 
 @dataclass
+class StreamSourceSpec:
+    """A directory stream (``recstack.data.stream.DirectoryStream``): partitions renamed into ``dir`` in the
+    format of the schema file ``schema`` (its ``[columns]`` carry ``vertical`` and ``example_id``), each read once
+    in name order as one window; the stream ends when no partition arrived for ``idle_s`` seconds."""
+
+    dir: str = ""
+    schema: str = ""
+    idle_s: float = 60.0
+
+
+@dataclass
 class DataSpec:
     """``source = "synth"``: ``synth`` holds ``recstack.data.synth.SynthConfig`` fields (its ``seed`` is
     replaced per experiment seed when ``experiment.vary_data_seed``). ``source = "movielens"``: ``movielens``
-    holds ``recstack.exfm.movielens.MovieLensConfig`` fields (``path`` to the files)."""
+    holds ``recstack.exfm.movielens.MovieLensConfig`` fields (``path`` to the files). ``source = "prepared"``:
+    ``prepared`` is a prepared, time-ordered data set (``recstack data prepare``). ``source = "stream"``:
+    ``stream`` is a directory stream whose partitions are the windows."""
 
     source: str = "synth"
     synth: dict[str, Any] = field(default_factory=dict)
     movielens: dict[str, Any] = field(default_factory=dict)
+    prepared: str = ""
+    stream: StreamSourceSpec = field(default_factory=StreamSourceSpec)
 
 
 @dataclass
@@ -154,14 +171,19 @@ def movielens_config(values: dict[str, Any]) -> MovieLensConfig:
 def validate(cfg: ExfmConfig) -> None:
     """Cross-field checks; every message names the key."""
     s, e, d = cfg.stream, cfg.experiment, cfg.distill
-    if cfg.data.source not in ("synth", "movielens"):
-        raise ConfigError(f"data.source: {cfg.data.source!r} is not one of synth, movielens")
+    if cfg.data.source not in SOURCES:
+        raise ConfigError(f"data.source: {cfg.data.source!r} is not one of {', '.join(SOURCES)}")
     if cfg.data.source == "movielens" and not cfg.data.movielens.get("path"):
         raise ConfigError("data.movielens.path: the MovieLens directory is required (scripts/fetch_movielens.py)")
     if cfg.data.source == "synth":
         synth_config(cfg.data.synth)
-    else:
+    elif cfg.data.source == "movielens":
         movielens_config(cfg.data.movielens)
+    elif cfg.data.source == "prepared" and not cfg.data.prepared:
+        raise ConfigError("data.prepared: the prepared data set's directory is required with data.source = "
+                          "'prepared'")
+    elif cfg.data.source == "stream":
+        _validate_stream(cfg)
     if s.window <= 0 and s.window_rows <= 0:
         raise ConfigError("stream.window: must be positive (or set stream.window_rows)")
     if s.publish_every < 1:
@@ -207,6 +229,20 @@ def validate(cfg: ExfmConfig) -> None:
             raise ConfigError(f"{name}.{err}") from err
         if spec.model.dynamic_ids.enabled:  # its streams build tables from the data's id range
             raise ConfigError(f"{name}.model.dynamic_ids: not supported by recstack exfm run yet")
+
+
+def _validate_stream(cfg: ExfmConfig) -> None:
+    """A directory stream: its keys, and what a stream cannot know in advance."""
+    st = cfg.data.stream
+    for key in ("dir", "schema"):
+        if not getattr(st, key):
+            raise ConfigError(f"data.stream.{key}: required with data.source = 'stream' (recstack exfm run "
+                              "--stream DIR --schema SCHEMA.toml)")
+    if st.idle_s < 0:
+        raise ConfigError(f"data.stream.idle_s: must be >= 0, got {st.idle_s:g}")
+    if not cfg.experiment.verticals:
+        raise ConfigError("experiment.verticals: a stream's verticals are not known before it ends; name the "
+                          "vertical ids of the VMs (ids in order of first appearance in the stream)")
 
 
 def load_exfm_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExfmConfig:

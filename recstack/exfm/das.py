@@ -27,21 +27,26 @@ import numpy as np
 import torch
 
 from recstack.data.batch import Batch
-from recstack.data.prepared_dataset import PreparedDataset
-from recstack.exfm.config import StreamConfig
+from recstack.exfm.config import StreamConfig, StreamSourceSpec
 from recstack.exfm.fm import load_snapshot, table_caps, wait_for_snapshot
 from recstack.exfm.lifetime import exit_with_parent
+from recstack.exfm.source import FeatureLayout
 from recstack.exfm.store import DasStore
-from recstack.exfm.windows import VerticalIndex, make_windows, staleness_version
+from recstack.exfm.stream_windows import open_windows
+from recstack.exfm.windows import staleness_version
 from recstack.models.dlrm import DLRM
 from recstack.typed_toml import fill
 
 
 @dataclass
 class DasJob:
-    """Everything one DAS process does. ``feeds``: [[store directory, staleness], ...]."""
+    """Everything one DAS process does. ``feeds``: [[store directory, staleness], ...]. The windows: those of
+    the prepared set ``data`` under ``stream``, or with ``source.dir`` the partitions of a directory stream as
+    the FM's ``manifest`` lists them."""
 
     data: str = ""
+    source: StreamSourceSpec = field(default_factory=StreamSourceSpec)
+    manifest: str = ""
     snapshots: str = ""
     feeds: list[list[Any]] = field(default_factory=list)
     stream: StreamConfig = field(default_factory=StreamConfig)
@@ -71,7 +76,7 @@ def part_name(vertical: int, chunk: int) -> str:
 class _Scorer:
     """FM snapshots by version, loaded once and dropped when no feed needs them any more."""
 
-    def __init__(self, snap_dir: Path, ds: PreparedDataset, wait_s: float) -> None:
+    def __init__(self, snap_dir: Path, ds: FeatureLayout, wait_s: float) -> None:
         self.snap_dir, self.ds, self.wait_s = snap_dir, ds, wait_s
         self.models: dict[int, tuple[DLRM, torch.Tensor | None]] = {}
 
@@ -97,19 +102,20 @@ def run_das(job: DasJob, log=print) -> dict[str, Any]:
     """Label every window from ``job.first_window`` on for every feed; -> counts. Resumes where a killed run
     stopped (committed windows and written parts are skipped)."""
     torch.set_num_threads(job.threads)
-    ds = PreparedDataset(job.data)
-    windows = make_windows(ds, job.stream)
-    index = VerticalIndex(ds)
+    source = open_windows(job.data, job.stream, job.source, job.manifest, job.wait_s)
+    ds = source.data
     feeds = [(DasStore(root), int(d)) for root, d in job.feeds]
-    scorer = _Scorer(Path(job.snapshots), ds, job.wait_s)
+    scorer = _Scorer(Path(job.snapshots), source.features, job.wait_s)
     k = job.stream.publish_every
     written = scored_rows = 0
-    for w in windows[job.first_window :]:
+    t = job.first_window
+    while (w := source.window(t)) is not None:  # a stream's next window is waited for
+        t += 1
         todo = [(store, d) for store, d in feeds if not store.is_committed(w.index)]
         if not todo:
             continue
         t0 = time.perf_counter()
-        plan_rows = {v: index.rows(w, v) for v in index.verticals if not job.verticals or v in job.verticals}
+        plan_rows = {v: source.rows(w, v) for v in source.verticals() if not job.verticals or v in job.verticals}
         parts = {part_name(v, c // job.part_rows): len(rows[c : c + job.part_rows])
                  for v, rows in plan_rows.items() for c in range(0, len(rows), job.part_rows)}
         versions = {}

@@ -34,11 +34,15 @@ from typing import Any
 import torch
 
 from recstack.data.integrity import check_values
+from recstack.data.prepare.schema import load_schema
 from recstack.data.prepared_dataset import PreparedDataset
-from recstack.errors import ConfigError, ServiceFailure
-from recstack.exfm.config import ExfmConfig, exfm_config_from_dict, movielens_config, synth_config
+from recstack.data.stream.partition import SchemaPartitions
+from recstack.data.stream.source import DirectoryStream
+from recstack.errors import ConfigError, ServiceFailure, StreamError
+from recstack.exfm.config import ExfmConfig, StreamSourceSpec, exfm_config_from_dict, movielens_config, synth_config
 from recstack.exfm.das import DasJob
 from recstack.exfm.lifetime import exit_with_parent
+from recstack.exfm.stream_windows import MANIFEST, open_windows
 from recstack.exfm.vm_stream import VMJob
 from recstack.exfm.windows import VerticalIndex, make_windows
 from recstack.io import atomic_write_text
@@ -50,7 +54,12 @@ def _tag(values: Any) -> str:
 
 
 def prepare_stream(cfg: ExfmConfig, out: Path, seed: int) -> Path:
-    """The prepared data set of ``seed`` (generated or converted on first use, then reused)."""
+    """The prepared data set of ``seed`` (generated or converted on first use, then reused; ``data.prepared`` as
+    it is), or a directory stream's directory."""
+    if cfg.data.source == "prepared":
+        return Path(cfg.data.prepared)
+    if cfg.data.source == "stream":
+        return Path(cfg.data.stream.dir)
     if cfg.data.source == "movielens":
         from recstack.exfm.movielens import prepare_movielens
 
@@ -102,10 +111,22 @@ def read_result(task: Task) -> dict[str, Any]:
 _WARMUP_STREAM = ("window", "window_rows", "max_windows", "vm_start")
 
 
-def fm_key(cfg: ExfmConfig, data: Path, seed: int) -> str:
-    """The FM stream of ``seed`` (checkpoints, snapshots, result): the data (its directory name is a hash of
-    the data config), ``[fm]``, ``[stream]`` (windows, publishing, evaluation from ``vm_start``) and the seed."""
-    return _tag({"data": data.name, "fm": asdict(cfg.fm), "stream": asdict(cfg.stream), "seed": seed})
+def data_key(cfg: ExfmConfig, data: Path) -> str:
+    """The data a task reads, in the keys below: a generated or converted set's directory name (a hash of the
+    data config); a given prepared set's or stream's directory (and the stream's schema and idle wait)."""
+    if cfg.data.source == "prepared":
+        return f"prepared_{_tag(str(data.resolve()))}"
+    if cfg.data.source == "stream":
+        st = cfg.data.stream
+        schema = Path(st.schema).read_text(encoding="utf-8", errors="replace")
+        return f"stream_{_tag({'dir': str(data.resolve()), 'schema': schema, 'idle_s': st.idle_s})}"
+    return data.name
+
+
+def fm_key(cfg: ExfmConfig, data: str, seed: int) -> str:
+    """The FM stream of ``seed`` (checkpoints, snapshots, result): the data (``data_key``), ``[fm]``,
+    ``[stream]`` (windows, publishing, evaluation from ``vm_start``) and the seed."""
+    return _tag({"data": data, "fm": asdict(cfg.fm), "stream": asdict(cfg.stream), "seed": seed})
 
 
 def store_key(cfg: ExfmConfig, fm: str, staleness: int, verticals: list[int]) -> str:
@@ -115,10 +136,11 @@ def store_key(cfg: ExfmConfig, fm: str, staleness: int, verticals: list[int]) ->
                  "part_rows": cfg.experiment.das_part_rows})
 
 
-def warmup_key(cfg: ExfmConfig, data: Path, seed: int, vertical: int) -> str:
-    """A VM's warm-up (alone on windows [0, vm_start)): the data, ``[vm]``, the windows, seed and vertical."""
+def warmup_key(cfg: ExfmConfig, data: str, seed: int, vertical: int) -> str:
+    """A VM's warm-up (alone on windows [0, vm_start)): the data (``data_key``), ``[vm]``, the windows, seed and
+    vertical."""
     stream = asdict(cfg.stream)
-    return _tag({"data": data.name, "vm": asdict(cfg.vm), "stream": {k: stream[k] for k in _WARMUP_STREAM},
+    return _tag({"data": data, "vm": asdict(cfg.vm), "stream": {k: stream[k] for k in _WARMUP_STREAM},
                  "seed": seed, "vertical": vertical})
 
 
@@ -148,14 +170,19 @@ def _init_worker(threads: int, runner_pid: int) -> None:
 def _run_task(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
     """Runs in a worker process."""
     if kind == "fm":
-        from recstack.exfm.fm import run_fm_stream
+        from recstack.exfm.fm import run_fm_windows
 
         cfg = exfm_config_from_dict(payload["config"])
-        ds = PreparedDataset(payload["data"])
-        windows = make_windows(ds, cfg.stream)
         out = Path(payload["out_dir"])
-        result = run_fm_stream(ds, windows, cfg.fm, payload["seed"], out, cfg.stream.publish_every,
-                               eval_from=cfg.stream.vm_start)
+        # the FM leads a directory stream: it decides which partitions are windows (the manifest others follow)
+        source = open_windows(payload["data"], cfg.stream, cfg.data.stream if cfg.data.source == "stream" else
+                              StreamSourceSpec(), str(out / MANIFEST), 0.0, leader=True)
+        result = run_fm_windows(source, cfg.fm, payload["seed"], out, cfg.stream.publish_every,
+                                eval_from=cfg.stream.vm_start)
+        if len(result["records"]) <= cfg.stream.vm_start:
+            raise StreamError(f"stream.vm_start: the stream {payload['data']} ended after {len(result['records'])} "
+                              f"windows (data.stream.idle_s = {cfg.data.stream.idle_s:g} s without a new partition), "
+                              f"none from vm_start={cfg.stream.vm_start} on for the VMs")
         atomic_write_text(out / "result.json", json.dumps(result, indent=1))
         return result
     from recstack.exfm.vm_stream import run_vm_stream
@@ -182,24 +209,14 @@ class ExperimentRunner:
         for seed in e.seeds:
             data = prepare_stream(cfg, self.out, seed)
             self.data[seed] = data
-            ds = PreparedDataset(data)
-            check_values(ds)  # once, here: every task of the seed trains or evaluates on these rows
-            num_windows = len(make_windows(ds, cfg.stream))
-            if num_windows <= cfg.stream.vm_start:
-                raise ConfigError(
-                    f"stream.vm_start: the data of seed {seed} ({data}) has {num_windows} windows under [stream], "
-                    f"none from vm_start={cfg.stream.vm_start} on for the VMs to read FM labels and be evaluated "
-                    "on; use more data or longer windows, or a smaller stream.vm_start"
-                )
-            all_v = VerticalIndex(ds).verticals
-            verts = [v for v in all_v if not e.verticals or v in e.verticals]
-            if len(verts) == 0:
-                raise ValueError(f"experiment.verticals: none of {e.verticals} is in the data ({all_v})")
+            verts = self._verticals(data, seed)
             self.verticals[seed] = verts
             sd = self.out / f"seed{seed}"
-            fm = fm_key(cfg, data, seed)
+            key = data_key(cfg, data)
+            fm = fm_key(cfg, key, seed)
             fm_dir = sd / f"fm-{fm}"
             self.fm_dirs[seed] = fm_dir
+            follow = {"source": asdict(self._source()), "manifest": str(fm_dir / MANIFEST)}
             stores = {d: store_key(cfg, fm, d, verts) for d in e.staleness}
             self.stores[seed] = {d: sd / "das" / f"d{d}-{key}" for d, key in stores.items()}
             fm_tasks.append(Task(f"fm/s{seed}", "fm", {"config": cfg.to_dict(), "data": str(data),
@@ -207,10 +224,10 @@ class ExperimentRunner:
                                  fm_dir / "result.json", seed=seed))
             base = dict(data=str(data), seed=seed, vm=asdict(cfg.vm), distill=asdict(cfg.distill),
                         stream=asdict(cfg.stream), das_wait_s=e.das_wait_s, on_missing=e.on_missing,
-                        threads=e.threads)
+                        threads=e.threads, **follow)
             for v in verts:
                 vd = sd / "vm" / f"v{v}"
-                warm_key = warmup_key(cfg, data, seed, v)
+                warm_key = warmup_key(cfg, key, seed, v)
                 warm_dir = vd / f"warmup-{warm_key}"
                 warm = VMJob.from_dict({**base, "out_dir": str(warm_dir), "phase": "warmup", "vertical": v})
                 warm_tasks.append(Task(f"warm/s{seed}/v{v}", "vm", warm.to_dict(), warm_dir / "result.json",
@@ -227,6 +244,33 @@ class ExperimentRunner:
                                               Path(job.out_dir) / "result.json", deps, seed))
         return fm_tasks + warm_tasks + arm_tasks
 
+    def _source(self) -> StreamSourceSpec:
+        """The directory stream the tasks read (none: ``dir`` empty, they read a prepared set)."""
+        return self.cfg.data.stream if self.cfg.data.source == "stream" else StreamSourceSpec()
+
+    def _verticals(self, data: Path, seed: int) -> list[int]:
+        """The verticals with a VM, after checking the data once here (every task of the seed reads it): a
+        prepared set's values and windows; a stream's directory and schema (its windows are not known yet)."""
+        cfg, e = self.cfg, self.cfg.experiment
+        if cfg.data.source == "stream":
+            DirectoryStream(data, cfg.data.stream.idle_s).check()
+            SchemaPartitions(load_schema(cfg.data.stream.schema))  # refuses what a stream cannot encode
+            return list(e.verticals)
+        ds = PreparedDataset(data)
+        check_values(ds)
+        num_windows = len(make_windows(ds, cfg.stream))
+        if num_windows <= cfg.stream.vm_start:
+            raise ConfigError(
+                f"stream.vm_start: the data of seed {seed} ({data}) has {num_windows} windows under [stream], "
+                f"none from vm_start={cfg.stream.vm_start} on for the VMs to read FM labels and be evaluated "
+                "on; use more data or longer windows, or a smaller stream.vm_start"
+            )
+        all_v = VerticalIndex(ds).verticals
+        verts = [v for v in all_v if not e.verticals or v in e.verticals]
+        if len(verts) == 0:
+            raise ValueError(f"experiment.verticals: none of {e.verticals} is in the data ({all_v})")
+        return verts
+
     def _start_das(self, seed: int) -> None:
         if seed in self.das:
             return
@@ -235,7 +279,8 @@ class ExperimentRunner:
         job = DasJob(data=str(self.data[seed]), snapshots=str(self.fm_dirs[seed] / "snapshots"), feeds=feeds,
                      stream=self.cfg.stream, first_window=self.cfg.stream.vm_start, verticals=self.verticals[seed],
                      part_rows=self.cfg.experiment.das_part_rows, wait_s=self.cfg.experiment.das_wait_s,
-                     threads=self.cfg.experiment.threads)
+                     threads=self.cfg.experiment.threads, source=self._source(),
+                     manifest=str(self.fm_dirs[seed] / MANIFEST))
         sd.mkdir(parents=True, exist_ok=True)
         path = job.save(sd / "das_job.json")
         log = open(sd / "das.log", "a")  # the child keeps its own handle; ours is closed right away
@@ -320,6 +365,16 @@ class ExperimentRunner:
             self.log(f"exfm: {e}; moved to {aside.name}, task {task.key} runs again")
             return False
 
+    def _vertical_names(self) -> list[str]:
+        """Vertical names by id: a prepared set's, or those the FM's stream manifest numbered."""
+        seed = self.cfg.experiment.seeds[0]
+        if self.cfg.data.source == "stream":
+            entries = json.loads((self.fm_dirs[seed] / MANIFEST).read_text(encoding="utf-8"))["entries"]
+            names = list(entries[-1]["verticals"]) if entries else []
+        else:
+            names = PreparedDataset(self.data[seed]).info.get("verticals") or []
+        return names or [f"v{v}" for v in range(max(max(v) for v in self.verticals.values()) + 1)]
+
     def collect(self, tasks: list[Task], seconds: float, tasks_run: int) -> dict[str, Any]:
         """Gather every task's result into one document and write the report. ``seconds``: wall time of
         this invocation, which ran ``tasks_run`` of the tasks (the others were reused from an earlier one)."""
@@ -337,8 +392,7 @@ class ExperimentRunner:
         for res in vms:
             j = res["job"]
             res["records"] = warm[(j["seed"], j["vertical"])] + res["records"]
-        meta = PreparedDataset(self.data[self.cfg.experiment.seeds[0]]).info
-        names = meta.get("verticals") or [f"v{v}" for v in range(max(max(v) for v in self.verticals.values()) + 1)]
+        names = self._vertical_names()
         results = {"config": self.cfg.to_dict(), "seconds": seconds, "tasks_run": tasks_run,
                    "tasks_reused": len(tasks) - tasks_run, "vertical_names": names,
                    "fm": {str(s): r for s, r in fm.items()},

@@ -21,8 +21,9 @@ from recstack.data.loader import BatchLoader
 from recstack.data.prepared_dataset import PreparedDataset
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.exfm.config import NetSpec
+from recstack.exfm.source import FeatureLayout, PreparedWindows, WindowSource
 from recstack.exfm.stream import StreamTrainer
-from recstack.exfm.windows import VerticalIndex, Window
+from recstack.exfm.windows import Window
 from recstack.metrics import BinaryMetrics
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
@@ -33,22 +34,23 @@ from recstack.typed_toml import fill
 EVAL_BATCH = 4096
 
 
-def build_net(spec: NetSpec, ds: PreparedDataset, seed: int, device: torch.device | str = "cpu") -> DLRM:
-    """A DLRM of ``spec`` for ``ds``'s features; dense layers from torch's RNG seeded with ``seed``."""
+def build_net(spec: NetSpec, ds: FeatureLayout, seed: int, device: torch.device | str = "cpu") -> DLRM:
+    """A DLRM of ``spec`` for ``ds``'s features (a prepared set, or a stream's ``WindowSource.features``); dense
+    layers from torch's RNG seeded with ``seed``."""
     seed_everything(seed)
     sizes = capped_table_sizes(ds.table_sizes, spec.model.max_table_size)
     return build_model(spec.model, sparse_optimizer_config(spec.optim), len(ds.dense_features), sizes, seed=seed,
                        device=device, names=ds.table_names)
 
 
-def table_caps(spec: NetSpec, ds: PreparedDataset) -> torch.Tensor | None:
+def table_caps(spec: NetSpec, ds: FeatureLayout) -> torch.Tensor | None:
     """[F] capped table sizes when ``model.max_table_size`` is set (ids are taken modulo), else None."""
     if spec.model.max_table_size <= 0:
         return None
     return torch.tensor(capped_table_sizes(ds.table_sizes, spec.model.max_table_size), dtype=torch.int64)
 
 
-def publish_snapshot(snap_dir: Path, version: int, model: DLRM, spec: NetSpec, ds: PreparedDataset) -> Path:
+def publish_snapshot(snap_dir: Path, version: int, model: DLRM, spec: NetSpec, ds: FeatureLayout) -> Path:
     """Write snapshot ``version`` atomically; -> its path."""
     state = {
         "model": model.state_dict(),
@@ -99,14 +101,28 @@ def run_fm_stream(
     eval_from: int = 0,
     device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
-    """Train the FM through every window (resuming from ``out_dir/checkpoints``), publishing snapshots to
-    ``out_dir/snapshots``; -> {"records": per window, "summary": pooled metrics per vertical group}."""
+    """Train the FM through every window of the prepared set ``ds`` (``run_fm_windows``)."""
+    return run_fm_windows(PreparedWindows(ds, windows), spec, seed, out_dir, publish_every, eval_from, device)
+
+
+def run_fm_windows(
+    source: WindowSource,
+    spec: NetSpec,
+    seed: int,
+    out_dir: Path,
+    publish_every: int,
+    eval_from: int = 0,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """Train the FM through every window of ``source`` until it ends (resuming from ``out_dir/checkpoints``),
+    publishing snapshots to ``out_dir/snapshots``; -> {"records": per window, "summary": pooled metrics per
+    vertical group (the verticals seen up to each window)}."""
     out_dir = Path(out_dir)
     snap_dir = out_dir / "snapshots"
-    model = build_net(spec, ds, seed, device)
+    ds, features = source.data, source.features
+    model = build_net(spec, features, seed, device)
     optimizer = build_dense_optimizer(spec.optim, model.dense_parameters())
-    caps = table_caps(spec, ds)
-    index = VerticalIndex(ds)
+    caps = table_caps(spec, features)
 
     def train_batches(w: Window):
         loader = BatchLoader(ds, spec.batch_size, (w.start, w.end), drop_last=False, table_caps=caps.tolist()
@@ -114,8 +130,9 @@ def run_fm_stream(
         return loader.iterate_epoch()
 
     def evaluate(w: Window) -> dict[str, BinaryMetrics]:
+        verticals = source.verticals()
         groups = {"fm": BinaryMetrics()}
-        groups.update({f"fm_v{v}": BinaryMetrics() for v in index.verticals})
+        groups.update({f"fm_v{v}": BinaryMetrics() for v in verticals})
         if w.rows == 0:
             return groups
         loader = BatchLoader(ds, EVAL_BATCH, (w.start, w.end), drop_last=False, extras=("vertical",),
@@ -125,7 +142,7 @@ def run_fm_stream(
             logits = model(batch)
             groups["fm"].update(logits, batch.labels)
             vert = batch.extras.get("vertical", torch.zeros_like(batch.labels, dtype=torch.int64))
-            for v in index.verticals:
+            for v in verticals:
                 m = vert == v
                 if bool(m.any()):
                     groups[f"fm_v{v}"].update(logits[m], batch.labels[m])
@@ -133,11 +150,11 @@ def run_fm_stream(
 
     def publish(t: int) -> None:
         if (t + 1) % publish_every == 0:
-            publish_snapshot(snap_dir, t + 1, model, spec, ds)
+            publish_snapshot(snap_dir, t + 1, model, spec, features)
 
     trainer = StreamTrainer(
         model, lambda b: torch.nn.functional.binary_cross_entropy_with_logits(model(b), b.labels), optimizer,
-        windows, train_batches, evaluate, device=device, eval_from=eval_from, ckpt_dir=out_dir / "checkpoints",
+        source.window, train_batches, evaluate, device=device, eval_from=eval_from, ckpt_dir=out_dir / "checkpoints",
         log_dir=out_dir, on_window_end=publish,
     )
     records = trainer.run()

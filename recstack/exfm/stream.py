@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,8 @@ from recstack.training.step import optimizer_step
 
 # evaluate(window) -> {group name: accumulated metrics of that window}, e.g. {"serving": ..., "fm": ...}
 Evaluator = Callable[[Window], dict[str, BinaryMetrics]]
+# t -> window t, or None when the stream has no window t (a ``recstack.exfm.source.WindowSource``'s ``window``)
+WindowLookup = Callable[[int], Window | None]
 METRIC_KEYS = ("ne", "logloss", "auc", "calibration", "ctr", "num_examples")
 
 
@@ -45,6 +47,8 @@ class StreamTrainer:
     """Trains ``model`` through ``windows[first:]`` in order; totals count windows >= ``eval_from``.
 
     Args:
+        windows: the windows, or a lookup t -> window t (None: the stream ended before it), which may wait for
+            window t to arrive.
         loss_fn: batch -> scalar training loss (the model's forward inside).
         train_batches: window -> the batches to train on (may raise when FM labels are missing).
         evaluate: window -> metric groups of the progressive evaluation (the model is in eval mode).
@@ -58,7 +62,7 @@ class StreamTrainer:
         model: nn.Module,
         loss_fn: Callable[[Batch], torch.Tensor],
         optimizer: torch.optim.Optimizer,
-        windows: list[Window],
+        windows: Sequence[Window] | WindowLookup,
         train_batches: Callable[[Window], Iterable[Batch]],
         evaluate: Evaluator,
         *,
@@ -72,7 +76,8 @@ class StreamTrainer:
         resume: bool = True,
     ) -> None:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
-        self.windows, self.train_batches, self.evaluate = windows, train_batches, evaluate
+        self.window_at: WindowLookup = windows if callable(windows) else _lookup(windows)
+        self.train_batches, self.evaluate = train_batches, evaluate
         self.device = torch.device(device)
         self.next_window = first
         self.eval_from = eval_from
@@ -130,9 +135,8 @@ class StreamTrainer:
         return {"train_loss": loss_sum / steps if steps else None, "train_steps": steps, "train_rows": rows,
                 "train_seconds": seconds}
 
-    def run_window(self) -> dict[str, Any]:
-        """Evaluate, train and checkpoint the next window; -> its record."""
-        window = self.windows[self.next_window]
+    def run_window(self, window: Window) -> dict[str, Any]:
+        """Evaluate, train and checkpoint ``window`` (the next one); -> its record."""
         groups = self._evaluate(window)
         record: dict[str, Any] = {"window": window.index}
         for name, m in groups.items():
@@ -151,14 +155,17 @@ class StreamTrainer:
         return record
 
     def run(self, until: int | None = None) -> list[dict[str, Any]]:
-        """Run windows up to (not including) ``until`` (default: all); -> every window's record so far."""
-        stop = len(self.windows) if until is None else min(until, len(self.windows))
+        """Run windows up to (not including) ``until`` (default: until the stream ends); -> every window's record
+        so far."""
         logger = MetricsLogger(self.log_dir, tensorboard=False) if self.log_dir else None
         try:
             if logger is not None:
                 self._log_missing(logger)
-            while self.next_window < stop:
-                record = self.run_window()
+            while until is None or self.next_window < until:
+                window = self.window_at(self.next_window)
+                if window is None:
+                    break
+                record = self.run_window(window)
                 if logger is not None:
                     logger.log(record["window"], "window", _flat(record))
         finally:
@@ -176,6 +183,10 @@ class StreamTrainer:
     def summary(self) -> dict[str, dict[str, float | None]]:
         """Metrics over every evaluated window >= eval_from, per group (pooled, not averaged over windows)."""
         return {name: metric_values(m) for name, m in self.totals.items()}
+
+
+def _lookup(windows: Sequence[Window]) -> WindowLookup:
+    return lambda t: windows[t] if t < len(windows) else None
 
 
 def _flat(record: dict[str, Any]) -> dict[str, float | int | None]:

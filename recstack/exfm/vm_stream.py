@@ -20,13 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from recstack.data.prepared_dataset import PreparedDataset
-from recstack.exfm.config import DistillConfig, NetSpec, StreamConfig
+from recstack.data.loader import RowSet
+from recstack.exfm.config import DistillConfig, NetSpec, StreamConfig, StreamSourceSpec
 from recstack.exfm.fm import build_net, table_caps
+from recstack.exfm.source import WindowRowsIndex
 from recstack.exfm.store import DasStore
 from recstack.exfm.stream import StreamTrainer
+from recstack.exfm.stream_windows import open_windows
 from recstack.exfm.vm import FM_LOGIT, VerticalModel
-from recstack.exfm.windows import VerticalIndex, Window, make_windows, row_batches
+from recstack.exfm.windows import Window, row_batches
 from recstack.io import atomic_write_text
 from recstack.metrics import BinaryMetrics
 from recstack.training.checkpoint.single import latest_checkpoint
@@ -39,9 +41,13 @@ EVAL_BATCH = 4096
 @dataclass
 class VMJob:
     """One VM run. ``phase``: ``warmup`` (windows [0, vm_start), alone) or ``arm`` (windows [vm_start, end)
-    starting from the warm-up's final state in ``warm_dir``). ``store``: the DAS store of this staleness."""
+    starting from the warm-up's final state in ``warm_dir``). ``store``: the DAS store of this staleness.
+    The windows: those of the prepared set ``data``, or with ``source.dir`` the partitions of a directory stream
+    as the FM's ``manifest`` lists them (waited for up to ``das_wait_s``)."""
 
     data: str = ""
+    source: StreamSourceSpec = field(default_factory=StreamSourceSpec)
+    manifest: str = ""
     out_dir: str = ""
     phase: str = "arm"
     vertical: int = 0
@@ -69,14 +75,15 @@ class VMJob:
 
 
 class VerticalSource:
-    """Batches of one vertical's rows per window, with FM logits joined from ``store`` (if any)."""
+    """Batches of one vertical's rows per window, with FM logits joined from ``store`` (if any). ``ds``: the
+    rows (a prepared set, or a ``WindowSource``'s ``data``); ``index``: which of them a window's vertical holds
+    and their example ids (a ``VerticalIndex``, or the ``WindowSource``)."""
 
-    def __init__(self, ds: PreparedDataset, index: VerticalIndex, vertical: int, batch_size: int,
+    def __init__(self, ds: RowSet, index: WindowRowsIndex, vertical: int, batch_size: int,
                  caps: torch.Tensor | None, store: DasStore | None, wait_s: float, on_missing: str) -> None:
         self.ds, self.index, self.vertical = ds, index, vertical
         self.batch_size, self.caps = batch_size, caps
         self.store, self.wait_s, self.on_missing = store, wait_s, on_missing
-        self.example_id = np.asarray(ds.column("example_id")) if ds.has("example_id") else None
         self._joined: dict[int, tuple[np.ndarray, np.ndarray | None, dict[str, Any]]] = {}
 
     def joined(self, w: Window) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
@@ -88,7 +95,7 @@ class VerticalSource:
         if self.store is None or len(rows) == 0:
             out: tuple[np.ndarray, np.ndarray | None, dict[str, Any]] = (rows, None, {})
         else:
-            ids = self.example_id[rows] if self.example_id is not None else rows
+            ids = self.index.example_ids(rows)
             logits, found, version = self.store.lookup(w.index, ids, self.wait_s, partial=self.on_missing == "drop")
             out = (rows[found], logits[found], {"fm_version": version, "fm_missing": int((~found).sum())})
         self._joined = {w.index: out}  # one window at a time: training follows the evaluation of the same one
@@ -112,17 +119,15 @@ def run_vm_stream(job: VMJob, device: torch.device | str = "cpu") -> dict[str, A
     """Run (or resume) one VM job; -> {"records", "summary"}; also written to ``out_dir/result.json``."""
     torch.set_num_threads(job.threads)
     out = Path(job.out_dir)
-    ds = PreparedDataset(job.data)
-    windows = make_windows(ds, job.stream)
-    index = VerticalIndex(ds)
+    windows = open_windows(job.data, job.stream, job.source, job.manifest, job.das_wait_s)
     start = job.stream.vm_start
     if job.phase == "warmup":
-        first, stop, arm = 0, min(start, len(windows)), "alone"
+        first, stop, arm = 0, start, "alone"
     elif job.phase == "arm":
-        first, stop, arm = start, len(windows), job.arm
+        first, stop, arm = start, None, job.arm  # to the end of the stream
     else:
         raise ValueError(f"VMJob.phase: {job.phase!r} is not warmup or arm")
-    body = build_net(job.vm, ds, job.seed * 1009 + job.vertical, device)  # the same body for every arm
+    body = build_net(job.vm, windows.features, job.seed * 1009 + job.vertical, device)  # the same body for every arm
     model = VerticalModel(body, arm, job.distill).to(device)
     if job.phase == "arm":
         _load_body(model, Path(job.warm_dir))
@@ -132,8 +137,8 @@ def run_vm_stream(job: VMJob, device: torch.device | str = "cpu") -> dict[str, A
     store = DasStore(job.store) if model.needs_fm else None
     if model.needs_fm and not job.store:
         raise ValueError(f"VMJob: arm {arm!r} needs a DAS store")
-    source = VerticalSource(ds, index, job.vertical, job.vm.batch_size, table_caps(job.vm, ds), store,
-                            job.das_wait_s, job.on_missing)
+    source = VerticalSource(windows.data, windows, job.vertical, job.vm.batch_size,
+                            table_caps(job.vm, windows.features), store, job.das_wait_s, job.on_missing)
 
     def evaluate(w: Window) -> dict[str, BinaryMetrics]:
         groups = {"serving": BinaryMetrics()}
@@ -152,11 +157,11 @@ def run_vm_stream(job: VMJob, device: torch.device | str = "cpu") -> dict[str, A
         return groups
 
     trainer = StreamTrainer(
-        model, model.loss, optimizer, windows[:stop], lambda w: source.batches(w, job.vm.batch_size), evaluate,
+        model, model.loss, optimizer, windows.window, lambda w: source.batches(w, job.vm.batch_size), evaluate,
         device=device, first=first, eval_from=start, ckpt_dir=out / "checkpoints", log_dir=out,
         describe=lambda w: source.joined(w)[2],
     )
-    records = trainer.run()
+    records = trainer.run(until=stop)
     result = {"job": job.to_dict(), "records": records, "summary": trainer.summary()}
     # whole or absent after a crash
     atomic_write_text(out / "result.json", json.dumps(result, indent=1))

@@ -17,6 +17,7 @@ import torch
 
 from recstack.data.batch import Batch
 from recstack.data.format import PreparedFormatError
+from recstack.data.loader import RowSet
 from recstack.data.prepared_dataset import PreparedDataset
 from recstack.exfm.config import StreamConfig
 
@@ -91,6 +92,11 @@ class VerticalIndex:
             np.asarray(ds.column("vertical"), dtype=np.int64) if ds.has("vertical") else np.zeros(len(ds), np.int64)
         )
         self.verticals = sorted(int(v) for v in np.unique(self.vertical))
+        self.example_id = ds.column("example_id") if ds.has("example_id") else None  # memory-mapped
+
+    def example_ids(self, rows: np.ndarray) -> np.ndarray:
+        """[n] int64 example ids of ``rows`` (the row numbers themselves when the set has no ``example_id``)."""
+        return np.asarray(self.example_id[rows]) if self.example_id is not None else rows
 
     def rows(self, window: Window, vertical: int | None) -> np.ndarray:
         """[n] int64 sorted row numbers of ``vertical`` (None: all) in ``window``."""
@@ -108,7 +114,7 @@ def cap_ids(batch: Batch, caps: torch.Tensor | None) -> Batch:
 
 
 def row_batches(
-    ds: PreparedDataset,
+    ds: RowSet,
     rows: np.ndarray,
     batch_size: int,
     extras: tuple[str, ...] = (),

@@ -66,25 +66,29 @@ class StreamDescription:
 
 class PartitionRows:
     """One partition's rows in memory (a ``recstack.data.loader.RowSet``): ``labels`` float32 [n], ``dense``
-    float32 [n, D], ``ids`` int64 [n, F] as read (raw)."""
+    float32 [n, D], ``ids`` int64 [n, F] as read (raw); ``extras``: per-row columns [n] by name (a schema's
+    ``[columns]``: ``example_id``, ``timestamp``, ``vertical``), as a prepared set holds them."""
 
-    def __init__(self, labels: np.ndarray, dense: np.ndarray, ids: np.ndarray) -> None:
+    def __init__(self, labels: np.ndarray, dense: np.ndarray, ids: np.ndarray,
+                 extras: dict[str, np.ndarray] | None = None) -> None:
         self.labels, self.dense, self.ids = labels, dense, ids
+        self.extras = extras or {}
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def has(self, name: str) -> bool:
-        return False  # no extra columns
+        return name in self.extras
 
     def batch(self, start: int, end: int, extras: tuple[str, ...] = ()) -> Batch:
         return self.gather(np.arange(start, end), extras)
 
     def gather(self, rows: np.ndarray, extras: tuple[str, ...] = ()) -> Batch:
-        """Rows ``rows`` as a Batch (one id per feature)."""
+        """Rows ``rows`` as a Batch (one id per feature), with the extra columns ``extras``."""
         return Batch(dense=torch.from_numpy(self.dense[rows]),
                      sparse=SparseFeatures.from_dense_ids(torch.from_numpy(self.ids[rows])),
-                     labels=torch.from_numpy(self.labels[rows]))
+                     labels=torch.from_numpy(self.labels[rows]),
+                     extras={k: torch.from_numpy(self.extras[k][rows]) for k in extras})
 
 
 class PartitionReader(Protocol):
@@ -127,9 +131,15 @@ class CriteoPartitions:
 
 
 class SchemaPartitions:
-    """Partitions in a schema's format (``hash`` and ``identity`` encodings, one value per feature)."""
+    """Partitions in a schema's format (``hash`` and ``identity`` encodings, one value per feature). The
+    schema's ``[columns]`` are carried as extra columns, numbered as ``recstack data prepare`` numbers them
+    (``vertical``: names -> ids in order of first appearance over the partitions this reader read)."""
 
-    def __init__(self, schema: Schema) -> None:
+    EXTRAS = ("example_id", "timestamp", "vertical")
+
+    def __init__(self, schema: Schema, verticals: list[str] | None = None) -> None:
+        """``verticals``: vertical names already numbered (id = position), as a reader that read the stream's
+        earlier partitions would hold them; new names get the next ids in order of first appearance."""
         for s in schema.sparse:
             if s.encoding == "vocab":
                 raise SchemaError(f"{schema.origin}: sparse feature {s.name!r}: a stream cannot use encoding "
@@ -143,7 +153,7 @@ class SchemaPartitions:
                 raise SchemaError(f"{schema.origin}: dense feature {d.name!r}: a stream cannot use transform "
                                   "'standardize' (its mean and deviation are learned over a fixed training set); "
                                   "use 'log1p' or 'none'")
-        self.schema, self.encoder = schema, Encoder(schema, EncodingState())
+        self.schema, self.encoder = schema, Encoder(schema, EncodingState(verticals=list(verticals or [])))
         self.layout = StreamLayout([d.name for d in schema.dense], [s.table_name for s in schema.sparse],
                                    [self.encoder.num_embeddings(s) for s in schema.sparse],
                                    [RESERVED_ROWS[s.encoding] for s in schema.sparse])
@@ -160,9 +170,15 @@ class SchemaPartitions:
                  for raw in source.chunks(self.schema.input_columns())]
         if not parts or not sum(len(p["labels"]) for p in parts):
             raise StreamError(f"{path}: no rows")
+        extras = {k: np.concatenate([p[k] for p in parts]) for k in self.EXTRAS if k in parts[0]}
         return PartitionRows(np.concatenate([p["labels"] for p in parts]).astype(np.float32),
                              np.concatenate([p["dense"] for p in parts]).astype(np.float32),
-                             np.concatenate([p["sparse"] for p in parts]).astype(np.int64))
+                             np.concatenate([p["sparse"] for p in parts]).astype(np.int64), extras)
+
+    @property
+    def verticals(self) -> list[str]:
+        """Vertical names seen so far (the ``vertical`` column's id of a name is its position)."""
+        return list(self.encoder.state.verticals)
 
 
 def partition_reader(schema: str | None, max_table_size: int) -> PartitionReader:
