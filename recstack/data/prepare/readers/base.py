@@ -32,6 +32,10 @@ class DataError(RecstackError, ValueError):
         self.where, self.column, self.value, self.reason = where, column, value, reason
         super().__init__(_describe(where, column, value, reason))
 
+    def __reduce__(self) -> tuple[type[DataError], tuple[str, str | None, object, str]]:
+        # raised in a worker process (an ExFM task reading a stream), it is pickled back to the runner
+        return (DataError, (self.where, self.column, self.value, self.reason))
+
 
 @dataclass(frozen=True)
 class BadRow:

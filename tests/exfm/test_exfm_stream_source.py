@@ -1,0 +1,181 @@
+"""``recstack exfm run --stream DIR``: the FM, the DAS and the VMs read a directory stream while a producer writes
+it, and give the records of a run on the same rows as a prepared set (windows = partitions in both)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recstack.cli.main import main
+from recstack.data.prepared_dataset import PreparedDataset
+from recstack.data.synth.generate import SynthConfig, generate
+from recstack.exfm.stream_windows import MANIFEST
+
+SCHEMA = """
+[source]
+format = "csv"
+[label]
+column = "label"
+[[dense]]
+name = "I1"
+[[dense]]
+name = "I2"
+[[sparse]]
+name = "C1"
+encoding = "identity"
+size = 30
+[[sparse]]
+name = "C2"
+encoding = "identity"
+size = 40
+[[sparse]]
+name = "C3"
+encoding = "hash"
+hash_size = 64
+[columns]
+example_id = "example_id"
+timestamp = "day"
+vertical = "vertical"
+"""
+
+CONFIG = """
+[stream]
+window = 1
+vm_start = 3
+[fm]
+batch_size = 128
+[fm.model]
+embedding_dim = 4
+bottom_mlp = [8, 4]
+top_mlp = [8, 1]
+[vm]
+batch_size = 64
+[vm.model]
+embedding_dim = 4
+bottom_mlp = [8, 4]
+top_mlp = [8, 1]
+[experiment]
+arms = ["alone", "aux"]
+staleness = [1]
+seeds = [0]
+verticals = [0, 1]
+workers = 2
+"""
+
+HEADER = "label,I1,I2,C1,C2,C3,vertical,example_id,day"
+
+
+def _partitions(tmp: Path) -> list[tuple[str, str]]:
+    """A 5-day synthetic log as CSV partitions, one a day: [(file name, text)]. Vertical names are letters,
+    so their ids come from the order they appear in."""
+    data = generate(SynthConfig(rows=1500, num_days=5, num_verticals=3, table_sizes=(30, 40, 50), num_dense=2,
+                                calibration_rows=256, seed=3), tmp / "synth", progress=False)
+    ds = PreparedDataset(data)
+    a = {k: np.asarray(ds.column(k)) for k in ("labels", "dense", "sparse", "vertical", "example_id", "timestamp")}
+    out = []
+    for day in range(5):
+        rows = np.flatnonzero(a["timestamp"] == day)
+        lines = [HEADER] + [
+            f"{int(a['labels'][r])},{float(a['dense'][r, 0])!r},{float(a['dense'][r, 1])!r},"
+            f"{a['sparse'][r, 0]},{a['sparse'][r, 1]},x{a['sparse'][r, 2]},{'cab'[a['vertical'][r]]},"
+            f"{a['example_id'][r]},{day}" for r in rows]
+        out.append((f"part-{day:03d}.csv", "\n".join(lines) + "\n"))
+    return out
+
+
+def _write(directory: Path, name: str, text: str) -> None:
+    """As producers do: a hidden temporary, renamed into place."""
+    tmp = directory / f".{name}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, directory / name)
+
+
+def _comparable(res: dict) -> dict:
+    """The FM's and the VMs' records and summaries, without wall times."""
+    def records(rs: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "train_seconds"} for r in rs]
+
+    fm = res["fm"]["0"]
+    vms = sorted(res["vm"], key=lambda r: (r["vertical"], r["arm"], r["staleness"]))
+    return {"fm": [records(fm["records"]), fm["summary"]],
+            "vm": [[r["vertical"], r["arm"], r["staleness"], records(r["records"]), r["summary"]] for r in vms]}
+
+
+def test_exfm_run_follows_a_directory_stream_as_its_prepared_set(tmp_path: Path) -> None:
+    parts = _partitions(tmp_path)
+    schema, cfg = tmp_path / "schema.toml", tmp_path / "exfm.toml"
+    schema.write_text(SCHEMA)
+    cfg.write_text(CONFIG)
+    # the same rows as a prepared set, made from the same files with the same schema
+    files = tmp_path / "files"
+    files.mkdir()
+    for name, text in parts:
+        (files / name).write_text(text)
+    prepared = tmp_path / "prepared"
+    assert main(["data", "prepare", "--schema", str(schema), *[str(files / n) for n, _ in parts],
+                 "--out", str(prepared)]) == 0
+    assert main(["exfm", "run", "--config", str(cfg), "--output-dir", str(tmp_path / "a"),
+                 "--set", 'data.source="prepared"', "--set", f'data.prepared="{prepared}"']) == 0
+    expected = _comparable(json.loads((tmp_path / "a" / "results.json").read_text()))
+
+    stream = tmp_path / "stream"
+    stream.mkdir()
+    _write(stream, *parts[0])
+
+    def produce() -> None:  # the rest arrives while the experiment runs
+        for name, text in parts[1:]:
+            time.sleep(0.5)
+            _write(stream, name, text)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        assert main(["exfm", "run", "--config", str(cfg), "--output-dir", str(tmp_path / "b"), "--stream",
+                     str(stream), "--schema", str(schema), "--stream-idle-s", "4"]) == 0
+    finally:
+        producer.join()
+    res = json.loads((tmp_path / "b" / "results.json").read_text())
+    got = _comparable(res)
+    assert [r["window"] for r in got["fm"][0]] == [0, 1, 2, 3, 4]
+    assert len(got["vm"]) == 4 and all(len(v[3]) == 5 for v in got["vm"])
+    assert got == expected  # bit for bit: the same windows, vertical ids, example ids and batches
+    (manifest,) = (tmp_path / "b" / "seed0").glob(f"fm-*/{MANIFEST}")
+    m = json.loads(manifest.read_text())
+    assert m["ended"] and [e["name"] for e in m["entries"]] == [n for n, _ in parts]
+    assert res["vertical_names"] == m["entries"][-1]["verticals"] and sorted(res["vertical_names"]) == list("abc")
+
+
+def test_a_bad_partition_is_one_error_naming_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    schema, cfg, stream = tmp_path / "schema.toml", tmp_path / "exfm.toml", tmp_path / "stream"
+    schema.write_text(SCHEMA)
+    cfg.write_text(CONFIG)
+    stream.mkdir()
+    _write(stream, "part-000.csv", f"{HEADER}\n1,0.5,1.0,3,4,x1,a,10,0\n0,0.5,oops,3,4,x1,b,11,0\n")
+    code = main(["exfm", "run", "--config", str(cfg), "--output-dir", str(tmp_path / "run"), "--stream",
+                 str(stream), "--schema", str(schema), "--stream-idle-s", "1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"{stream / 'part-000.csv'}:3" in lines[0] and "I2" in lines[0], lines[0]
+
+
+def test_stream_config_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = tmp_path / "exfm.toml"
+    cfg.write_text(CONFIG)
+    base = ["exfm", "run", "--config", str(cfg), "--output-dir", str(tmp_path / "run")]
+    for extra, want in ((["--stream", str(tmp_path)], "data.stream.schema"),
+                        (["--schema", "s.toml"], "--schema and --stream-idle-s: only with --stream"),
+                        (["--set", 'data.source="stream"', "--set", "data.stream.bogus=1"], "data.stream.bogus"),
+                        (["--stream", str(tmp_path / "none"), "--schema", "s.toml", "--set",
+                          "experiment.verticals=[]"], "experiment.verticals"),
+                        (["--stream", str(tmp_path / "none"), "--schema", str(cfg)], "no such directory")):
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert want in err and "Traceback" not in err, (extra, err)
