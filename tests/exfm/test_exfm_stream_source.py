@@ -127,8 +127,13 @@ def test_exfm_run_follows_a_directory_stream_as_its_prepared_set(tmp_path: Path)
     stream = tmp_path / "stream"
     stream.mkdir()
     _write(stream, *parts[0])
+    taken: list[float] = []
 
-    def produce() -> None:  # the rest arrives while the experiment runs
+    def produce() -> None:  # the rest arrives once the FM has taken the first window, while the experiment runs
+        deadline = time.time() + 120
+        while not list((tmp_path / "b").glob(f"seed0/fm-*/{MANIFEST}")) and time.time() < deadline:
+            time.sleep(0.05)
+        taken.append(time.time())
         for name, text in parts[1:]:
             time.sleep(0.5)
             _write(stream, name, text)
@@ -148,6 +153,7 @@ def test_exfm_run_follows_a_directory_stream_as_its_prepared_set(tmp_path: Path)
     (manifest,) = (tmp_path / "b" / "seed0").glob(f"fm-*/{MANIFEST}")
     m = json.loads(manifest.read_text())
     assert m["ended"] and [e["name"] for e in m["entries"]] == [n for n, _ in parts]
+    assert all(e["arrived_at"] > taken[0] for e in m["entries"][1:])  # written while the FM was following
     assert res["vertical_names"] == m["entries"][-1]["verticals"] and sorted(res["vertical_names"]) == list("abc")
 
 
