@@ -15,7 +15,10 @@ import pytest
 from recstack.cli.main import main
 from recstack.data.prepared_dataset import PreparedDataset
 from recstack.data.synth.generate import SynthConfig, generate
-from recstack.exfm.stream_windows import MANIFEST
+from recstack.errors import StreamError
+from recstack.exfm.config import StreamSourceSpec
+from recstack.exfm.stream_windows import MANIFEST, DirectoryWindows
+from recstack.exfm.windows import Window
 
 SCHEMA = """
 [source]
@@ -185,3 +188,44 @@ def test_stream_config_errors_name_the_key(tmp_path: Path, capsys: pytest.Captur
         assert main(base + extra) == 2, extra
         err = capsys.readouterr().err
         assert want in err and "Traceback" not in err, (extra, err)
+
+
+def _spec(tmp_path: Path, idle_s: float) -> StreamSourceSpec:
+    (tmp_path / "schema.toml").write_text(SCHEMA)
+    (tmp_path / "in").mkdir(exist_ok=True)
+    return StreamSourceSpec(dir=str(tmp_path / "in"), schema=str(tmp_path / "schema.toml"), idle_s=idle_s)
+
+
+def _csv(verticals: str, first_id: int) -> str:
+    return HEADER + "\n" + "".join(f"{i % 2},0.5,{i},{i % 30},{i % 40},x{i},{v},{first_id + i},0\n"
+                                   for i, v in enumerate(verticals))
+
+
+def test_followers_see_the_windows_the_leader_took(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, idle_s=0.3)
+    stream, manifest = Path(spec.dir), tmp_path / MANIFEST
+    _write(stream, "p0.csv", _csv("aab", 100))
+    _write(stream, "p1.csv", _csv("cba", 200))  # vertical c first appears here, before b in this file
+    leader = DirectoryWindows(spec, manifest, leader=True, wait_s=0.0, poll_s=0.05)
+    w0, w1 = leader.window(0), leader.window(1)
+    assert (w0, w1) == (Window(0, 0, 3), Window(1, 3, 6))
+    want_rows = {v: leader.rows(w1, v).tolist() for v in range(3)}
+    assert want_rows == {0: [5], 1: [4], 2: [3]}  # a=0, b=1 (window 0), c=2
+    assert leader.example_ids(np.array([3, 5])).tolist() == [200, 202]
+    assert leader.window(2) is None  # the idle wait ran out: the leader ends the stream
+    _write(stream, "p2.csv", _csv("a", 300))  # too late: not a window of this stream
+    follower = DirectoryWindows(spec, manifest, leader=False, wait_s=5.0, poll_s=0.05)
+    assert follower.window(1) == w1  # starts at window 1, numbers its rows and verticals as the leader did
+    assert {v: follower.rows(w1, v).tolist() for v in range(3)} == want_rows
+    assert follower.example_ids(np.array([3, 5])).tolist() == [200, 202]
+    batch = follower.data.gather(follower.rows(w1, 2), ("vertical", "example_id"))
+    assert batch.extras["example_id"].tolist() == [200] and batch.sparse.ids.numel() == 3
+    assert follower.window(2) is None
+
+
+def test_a_follower_waits_a_bounded_time_for_the_leader(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, idle_s=60.0)
+    _write(Path(spec.dir), "p0.csv", _csv("a", 0))
+    follower = DirectoryWindows(spec, tmp_path / MANIFEST, leader=False, wait_s=0.3, poll_s=0.05)
+    with pytest.raises(StreamError, match="window 0 of stream .* not taken by the foundation model after 0 s"):
+        follower.window(0)
