@@ -180,6 +180,8 @@ def test_stream_config_errors_name_the_key(tmp_path: Path, capsys: pytest.Captur
     cfg.write_text(CONFIG)
     base = ["exfm", "run", "--config", str(cfg), "--output-dir", str(tmp_path / "run")]
     for extra, want in ((["--stream", str(tmp_path)], "data.stream.schema"),
+                        (["--set", 'data.source="prepared"'], "data.prepared: the prepared data set's directory"),
+                        (["--set", 'data.source="kafka"'], "data.source: 'kafka' is not one of synth, movielens"),
                         (["--schema", "s.toml"], "--schema and --stream-idle-s: only with --stream"),
                         (["--set", 'data.source="stream"', "--set", "data.stream.bogus=1"], "data.stream.bogus"),
                         (["--stream", str(tmp_path / "none"), "--schema", "s.toml", "--set",
