@@ -83,8 +83,8 @@ class DirectoryWindows:
                  max_windows: int = 0, poll_s: float = 0.2) -> None:
         self.stream = DirectoryStream(spec.dir, spec.idle_s, poll_s)
         self.stream.check()
-        self.schema = SchemaPartitions(load_schema(spec.schema)).schema  # refuses what a stream cannot encode
-        layout = SchemaPartitions(self.schema).layout
+        reader = SchemaPartitions(load_schema(spec.schema))  # refuses what a stream cannot encode
+        self.schema, layout = reader.schema, reader.layout
         self._features = StreamFeatures(layout.dense_names, layout.table_names, layout.table_sizes)
         self.manifest, self.leader, self.wait_s = Path(manifest), leader, wait_s
         self.max_windows, self.poll_s = max_windows, poll_s
@@ -94,7 +94,8 @@ class DirectoryWindows:
             self._load_manifest()  # a resumed FM keeps the windows it had taken
         self._rows = _CurrentRows()
         self._window: Window | None = None
-        self._seen: set[int] = set()
+        self._verticals: list[int] = []
+        self._missing = False
         self._parts: Iterator[Partition] | None = None
 
     @property
@@ -151,7 +152,7 @@ class DirectoryWindows:
             rows, names = self._read(part.name, before["verticals"] if before else [])
             self.entries.append({"name": part.name, "start": start, "rows": len(rows), "verticals": names,
                                  "arrived_at": part.arrived_at})
-            self._set(Window(t, start, start + len(rows)), rows)
+            self._set(Window(t, start, start + len(rows)), rows, names)
         self._save_manifest()
 
     # -- windows ---------------------------------------------------------------------------------------
@@ -163,10 +164,14 @@ class DirectoryWindows:
             raise StreamError(f"{path}: partition of the stream is gone (it was taken as a window)")
         return reader.read(path), reader.verticals  # a bad line: an error naming the file and line
 
-    def _set(self, window: Window, rows: PartitionRows) -> None:
+    def _set(self, window: Window, rows: PartitionRows, names: list[str]) -> None:
+        """``window`` is current: its ``rows``, and ``names`` the vertical names known after it."""
         self._window, self._rows.start, self._rows.rows = window, window.start, rows
         vertical = rows.extras.get("vertical")
-        self._seen.update([0] if vertical is None else [int(v) for v in np.unique(vertical)])
+        # every vertical numbered up to this window, whichever windows this process read (a resumed FM, the DAS
+        # and the VM arms start later); -1 (no vertical) as far as seen
+        self._verticals = list(range(len(names))) if vertical is not None else [0]
+        self._missing = self._missing or bool(vertical is not None and (vertical < 0).any())
 
     def window(self, t: int) -> Window | None:
         if self._window is not None and self._window.index == t:
@@ -181,7 +186,7 @@ class DirectoryWindows:
             if len(rows) != entry["rows"] or names != entry["verticals"]:
                 raise StreamError(f"{self.stream.directory / entry['name']}: changed since the foundation model "
                                   f"read it as window {t} ({len(rows)} rows now, {entry['rows']} then)")
-            self._set(Window(t, entry["start"], entry["start"] + entry["rows"]), rows)
+            self._set(Window(t, entry["start"], entry["start"] + entry["rows"]), rows, names)
         assert self._window is not None
         return self._window
 
@@ -203,7 +208,7 @@ class DirectoryWindows:
         return np.asarray(rows, np.int64) if eid is None else eid[self._rows._local(rows)]
 
     def verticals(self) -> list[int]:
-        return sorted(self._seen)
+        return [-1, *self._verticals] if self._missing else list(self._verticals)
 
 
 def open_windows(data: str, windows: StreamConfig, source: StreamSourceSpec, manifest: str, wait_s: float,

@@ -207,19 +207,19 @@ def test_followers_see_the_windows_the_leader_took(tmp_path: Path) -> None:
     spec = _spec(tmp_path, idle_s=0.3)
     stream, manifest = Path(spec.dir), tmp_path / MANIFEST
     _write(stream, "p0.csv", _csv("aab", 100))
-    _write(stream, "p1.csv", _csv("cba", 200))  # vertical c first appears here, before b in this file
+    _write(stream, "p1.csv", _csv("cbb", 200))  # vertical c first appears here, before b in this file; no a
     leader = DirectoryWindows(spec, manifest, leader=True, wait_s=0.0, poll_s=0.05)
     w0, w1 = leader.window(0), leader.window(1)
     assert (w0, w1) == (Window(0, 0, 3), Window(1, 3, 6))
     want_rows = {v: leader.rows(w1, v).tolist() for v in range(3)}
-    assert want_rows == {0: [5], 1: [4], 2: [3]}  # a=0, b=1 (window 0), c=2
-    assert leader.example_ids(np.array([3, 5])).tolist() == [200, 202]
+    assert want_rows == {0: [], 1: [4, 5], 2: [3]}  # a=0, b=1 (window 0), c=2
+    assert leader.example_ids(np.array([3, 5])).tolist() == [200, 202] and leader.verticals() == [0, 1, 2]
     assert leader.window(2) is None  # the idle wait ran out: the leader ends the stream
     _write(stream, "p2.csv", _csv("a", 300))  # too late: not a window of this stream
     follower = DirectoryWindows(spec, manifest, leader=False, wait_s=5.0, poll_s=0.05)
     assert follower.window(1) == w1  # starts at window 1, numbers its rows and verticals as the leader did
     assert {v: follower.rows(w1, v).tolist() for v in range(3)} == want_rows
-    assert follower.example_ids(np.array([3, 5])).tolist() == [200, 202]
+    assert follower.example_ids(np.array([3, 5])).tolist() == [200, 202] and follower.verticals() == [0, 1, 2]
     batch = follower.data.gather(follower.rows(w1, 2), ("vertical", "example_id"))
     assert batch.extras["example_id"].tolist() == [200] and batch.sparse.ids.numel() == 3
     assert follower.window(2) is None
