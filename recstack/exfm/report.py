@@ -240,3 +240,19 @@ def write_report(results: dict[str, Any], out: Path) -> dict[str, Any]:
     plot_gain(summary, out / "ne_gain.png")
     plot_by_window(results, out / "ne_by_window.png")
     return summary
+
+
+def add_served(out: Path, served: dict[str, Any]) -> dict[str, Any]:
+    """Record what the published VM's server measured (``served``: ``p50_ms``, ``p99_ms``, ``rps`` and ``what``
+    was measured) in the report of the run in ``out`` (results.json and report.md rewritten) -> the published
+    VM's entry. A ValueError when the run published no VM."""
+    out = Path(out)
+    results = json.loads((out / "results.json").read_text())
+    if not results.get("published_vm"):
+        raise ValueError(f"{out / 'results.json'}: the run published no VM (experiment.publish_vm)")
+    for key in ("p50_ms", "p99_ms", "rps", "what"):
+        if key not in served:
+            raise ValueError(f"served figures: {key!r} missing")
+    results["published_vm"]["served"] = served
+    write_report(results, out)
+    return json.loads((out / "results.json").read_text())["published_vm"]
