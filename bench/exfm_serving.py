@@ -3,18 +3,18 @@
 server for as long as the experiment runs; then the same server, on the final version, with the experiment over
 (the baseline of the same run: serving without training beside it).
 
-The ExFM run: a synthetic click log with raw int64 ids and id churn (``raw_ids``, ``id_churn``), the FM hashing
-them (``fm.model.max_table_size``), the VMs on dynamic id tables (``[vm.model.dynamic_ids]``), arms ``alone`` and
-the published one, one staleness, one seed. Requests: ``--rows`` rows of the published vertical's stream (raw
-ids, ``"encoded": true``) per request, ``--connections`` keep-alive connections, 1 wrk thread, windows of
-``--window-s`` seconds.
+The ExFM run: ``configs/exfm_publish.toml``, a synthetic click log with raw int64 ids and id churn (``raw_ids``,
+``id_churn``), the FM hashing them (``fm.model.max_table_size``), the VMs on dynamic id tables
+(``[vm.model.dynamic_ids]``), arms ``alone`` and the published one (``--arm``, ``--staleness``), one seed.
+Requests: ``--rows`` rows of the published vertical's stream (raw ids, ``"encoded": true``) per request,
+``--connections`` keep-alive connections, 1 wrk thread, windows of ``--window-s`` seconds.
 
 Printed JSON (and ``--out``): per published VM its NE, NE gain % over the VM alone (from the ExFM report), the
 versions published (full / delta, bytes, seconds) and, ``while_training`` and ``after_training``, req/s and p50 /
 p99 ms (while training: the median window p50, the worst window p99, req/s over all windows). The served figures
 are also written into the run's ``results.json`` / ``report.md`` (``recstack.exfm.report.add_served``).
 
-    python bench/exfm_serving.py --out bench/results/exfm_serving.json        # about 2-3 minutes
+    python bench/exfm_serving.py --out bench/results/exfm_serving.json        # about 2-4 minutes
     python bench/exfm_serving.py --quick                                       # the smoke test's size
 """
 
@@ -41,75 +41,11 @@ from bench.serving_http import free_port, start, stop, wrk  # noqa: E402
 from recstack.data.prepared_dataset import PreparedDataset  # noqa: E402
 from recstack.exfm.report import add_served  # noqa: E402
 
-FULL = {"rows": 240_000, "num_days": 10, "num_verticals": 4, "table_sizes": [3000, 1000, 5000, 500],
-        "vm_start": 5, "capacity": 2000, "fm_cap": 4096}
-QUICK = {"rows": 6000, "num_days": 6, "num_verticals": 2, "table_sizes": [300, 200], "vm_start": 3,
-         "capacity": 400, "fm_cap": 256}
-
-
-def exfm_config(size: dict[str, Any], arm: str, staleness: int) -> str:
-    """The ExFM TOML of the run: raw churning ids, dynamic VM tables, ``arm`` at ``staleness`` published."""
-    return f"""
-[data]
-source = "synth"
-[data.synth]
-rows = {size["rows"]}
-num_days = {size["num_days"]}
-num_verticals = {size["num_verticals"]}
-vertical_effect_share = 0.0
-table_sizes = {size["table_sizes"]}
-num_dense = 4
-drift = 0.07
-base_rate_drift_std = 1.0
-calibration_rows = 2048
-raw_ids = true
-id_churn = 0.05
-[stream]
-window = 1
-vm_start = {size["vm_start"]}
-[fm]
-batch_size = 512
-[fm.model]
-embedding_dim = 16
-bottom_mlp = [32, 16]
-top_mlp = [64, 32, 1]
-max_table_size = {size["fm_cap"]}
-[fm.optim]
-dense = "adam"
-dense_lr = 0.002
-sparse = "sgd"
-sparse_lr = 2.0
-[vm]
-batch_size = 256
-[vm.model]
-embedding_dim = 8
-bottom_mlp = [16, 8]
-top_mlp = [32, 1]
-[vm.model.dynamic_ids]
-enabled = true
-capacity = {size["capacity"]}
-admit_after = 2
-eviction = "lru"
-[vm.optim]
-dense = "adam"
-dense_lr = 0.004
-sparse = "rowwise_adagrad"
-sparse_lr = 0.05
-[distill]
-weight = 3.0
-sa_weight = 3.0
-[experiment]
-arms = ["alone", "{arm}"]
-staleness = [{staleness}]
-seeds = [0]
-verticals = [0]
-workers = 2
-threads = 1
-[experiment.publish_vm]
-vertical = 0
-arm = "{arm}"
-staleness = {staleness}
-"""
+CONFIG = ROOT / "configs" / "exfm_publish.toml"
+# --quick: the same run on a tiny stream (the smoke test's size)
+QUICK = ["data.synth.rows=6000", "data.synth.num_days=6", "data.synth.num_verticals=2",
+         "data.synth.table_sizes=[300, 200]", "stream.vm_start=3", "fm.model.max_table_size=256",
+         "vm.model.dynamic_ids.capacity=400"]
 
 
 def request_body(data: Path, vertical: int, rows: int, seed: int = 0) -> bytes:
@@ -139,14 +75,16 @@ def summarize_windows(windows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def run(quick: bool, arm: str, staleness: int, window_s: float, connections: int, rows: int,
         work: Path) -> dict[str, Any]:
-    size = QUICK if quick else FULL
-    (work / "exfm.toml").write_text(exfm_config(size, arm, staleness))
+    overrides = [*(QUICK if quick else []), f"experiment.arms=['alone', '{arm}']",
+                 f"experiment.staleness=[{staleness}]", f"experiment.publish_vm.arm={arm}",
+                 f"experiment.publish_vm.staleness={staleness}"]
     run_dir, root = work / "run", work / "run" / "published"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.monotonic()
-    exfm = subprocess.Popen([sys.executable, "-m", "recstack", "exfm", "run", "--config", str(work / "exfm.toml"),
-                             "--output-dir", str(run_dir)], stdout=open(work / "exfm.log", "wb"),  # noqa: SIM115
-                            stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    cmd = [sys.executable, "-m", "recstack", "exfm", "run", "--config", str(CONFIG), "--output-dir", str(run_dir)]
+    exfm = subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)],
+                            stdout=open(work / "exfm.log", "wb"), stderr=subprocess.STDOUT, env=env,  # noqa: SIM115
+                            cwd=ROOT)
     server = None
     try:
         while not (root / "1" / "manifest.json").is_file():  # the VM's first version
@@ -189,7 +127,8 @@ def run(quick: bool, arm: str, staleness: int, window_s: float, connections: int
     versions = pub["versions"]
     return {
         "quick": quick, "connections": connections, "rows_per_request": rows, "window_s": window_s,
-        "first_version_s": first_version_s, "run_s": time.monotonic() - t0, "data": size,
+        "first_version_s": first_version_s, "run_s": time.monotonic() - t0, "config": str(CONFIG),
+        "overrides": overrides,
         "published": [{
             **{k: pub[k] for k in ("seed", "vertical", "arm", "staleness", "ne", "alone_ne", "ne_gain")},
             "versions": len(versions), "full_versions": sum(1 for v in versions if v["full"]),
@@ -209,13 +148,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a tiny stream (the smoke test)")
     ap.add_argument("--arm", default="aux_sa", help="the published VM's arm (default aux_sa)")
     ap.add_argument("--staleness", type=int, default=1)
-    ap.add_argument("--window-s", type=float, default=0.0, help="seconds of one wrk window (default 5; quick 1)")
+    ap.add_argument("--window-s", type=float, default=0.0, help="seconds of one wrk window (default 3; quick 1)")
     ap.add_argument("--connections", type=int, default=1)
     ap.add_argument("--rows", type=int, default=1, help="rows a request")
     ap.add_argument("--work", help="keep the run here (default: a temporary directory)")
     ap.add_argument("--out", help="also write the JSON here")
     a = ap.parse_args()
-    window_s = a.window_s or (1.0 if a.quick else 5.0)
+    window_s = a.window_s or (1.0 if a.quick else 3.0)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.work) if a.work else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
