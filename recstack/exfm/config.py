@@ -254,7 +254,7 @@ def _validate_publish(e: ExperimentConfig) -> None:
         raise ConfigError(f"{k}.vertical: {p.vertical} is not one of experiment.verticals {e.verticals}")
     if not p.every_s >= 0:
         raise ConfigError(f"{k}.every_s: must be >= 0 (0: at every window end), got {p.every_s}")
-    if p.tables not in ("fp32", "fp16", "int8", "int4"):
+    if p.tables not in ("fp32", "fp16", "int8", "int4"):  # serving's WIDTHS, checked before any task runs
         raise ConfigError(f"{k}.tables: {p.tables!r} is not one of fp32, fp16, int8, int4")
 
 

@@ -6,6 +6,11 @@ raw ids with), ``cfg`` a root ``Config`` holding the VM's ``[model]`` / ``[optim
 ``data.train``, ``step`` the windows trained on so far (the stream's own position: a resumed VM counts on from its
 checkpoint), ``logger`` the ``publish`` records (kept in ``records`` and written to ``<out>/publish/metrics.jsonl``).
 
+The hooks run at the window's end before its checkpoint (``StreamTrainer``'s ``on_window_end``): a VM killed in
+between publishes that window again when it resumes (its new ``Publisher`` starts a chain with a full version), it
+never skips one. ``result.json``'s ``published`` lists the versions of the process that finished the task; every
+process's are in ``publish/metrics.jsonl``.
+
 exfm does not import serving (``docs/architecture.md``): the hook is built in the task's process by a
 ``PublisherFactory`` that the caller hands to ``ExperimentRunner`` (``recstack exfm run`` hands it the
 ``Publisher``).
