@@ -175,7 +175,8 @@ class ExperimentRunner:
                  publisher: PublisherFactory | None = None) -> None:
         if cfg.experiment.publish_vm.enabled and publisher is None:
             raise ConfigError("experiment.publish_vm: this runner was given no publisher (recstack exfm run gives it "
-                              "one; from Python: ExperimentRunner(..., publisher=recstack.serving.publish.make_publisher))")
+                              "one; from Python: ExperimentRunner(..., "
+                              "publisher=recstack.serving.publish.make_publisher))")
         self.cfg = cfg
         self.publisher = publisher
         self.out = Path(out_dir)
