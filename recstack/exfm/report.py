@@ -222,7 +222,7 @@ def published_markdown(pub: dict[str, Any]) -> str:
     s = pub.get("served")
     if not s:
         return head + "; not served in this run.\n"
-    return (head + f"; served while it trained: p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms at "
+    return (head + f"; served: p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms at "
             f"{s['rps']:.0f} req/s ({s['what']}).\n")
 
 
