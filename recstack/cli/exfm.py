@@ -35,10 +35,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> dict:
     from recstack.exfm.config import load_exfm_config
     from recstack.exfm.experiment import ExperimentRunner
+    from recstack.serving.publish import make_publisher
 
     cfg = load_exfm_config(args.config, args.overrides + stream_overrides(args))
     out = Path(args.output_dir or Path("runs") / Path(args.config).stem)
-    results = ExperimentRunner(cfg, out).run()
+    results = ExperimentRunner(cfg, out, publisher=make_publisher).run()
     print((out / "report.md").read_text())
     print(f"results: {out / 'results.json'}; charts: {out / 'ne_gain.png'}, {out / 'ne_by_window.png'} "
           f"({results['tasks_run']} tasks run in {results['seconds']:.0f} s, {results['tasks_reused']} reused)")

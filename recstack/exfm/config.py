@@ -118,6 +118,32 @@ class DistillConfig:
 
 
 @dataclass
+class PublishVMConfig:
+    """``[experiment.publish_vm]``: publish one VM's serving head (body + serving head, what its vertical would
+    serve) while it trains, into ``root`` as versions that ``recstack serve ROOT --watch ROOT`` follows (a full
+    artifact, then deltas). The VM is the run (``vertical``, ``arm``, ``staleness``, ``seed``); ``staleness``
+    -1 with ``arm = "alone"``. A version at the end of a window of the arm's stream (windows >= vm_start) once
+    ``every_s`` seconds passed since the last one (0: every window), and the final state. ``root`` empty:
+    ``<output dir>/published``; ``tables``: as ``recstack export --tables``. ``vertical`` -1: off."""
+
+    vertical: int = -1
+    arm: str = "alone"
+    staleness: int = -1
+    seed: int = 0
+    root: str = ""
+    every_s: float = 0.0
+    tables: str = "fp32"
+
+    @property
+    def enabled(self) -> bool:
+        return self.vertical >= 0
+
+    def matches(self, seed: int, vertical: int, arm: str, staleness: int) -> bool:
+        return self.enabled and (self.seed, self.vertical, self.arm, self.staleness) == (seed, vertical, arm,
+                                                                                          staleness)
+
+
+@dataclass
 class ExperimentConfig:
     """``on_missing``: what a VM does with an example the DAS has not labelled once ``das_wait_s`` passed:
     ``error`` stops the run, ``drop`` leaves the example out of training and counts it in the report.
@@ -135,6 +161,7 @@ class ExperimentConfig:
     das_part_rows: int = 4096
     on_missing: str = "error"
     chart_staleness: int = 2  # the staleness whose per-window NE is drawn large in ne_by_window.png
+    publish_vm: PublishVMConfig = field(default_factory=PublishVMConfig)
 
 
 @dataclass
@@ -227,8 +254,30 @@ def validate(cfg: ExfmConfig) -> None:
             spec.optim.validate()
         except ConfigError as err:
             raise ConfigError(f"{name}.{err}") from err
-        if spec.model.dynamic_ids.enabled:  # its streams build tables from the data's id range
-            raise ConfigError(f"{name}.model.dynamic_ids: not supported by recstack exfm run yet")
+    if cfg.fm.model.dynamic_ids.enabled:  # the DAS rebuilds FM snapshots from their weights alone
+        raise ConfigError("fm.model.dynamic_ids: the foundation model takes raw ids through fm.model.max_table_size "
+                          "(hashing); dynamic id tables are for the vertical models ([vm.model.dynamic_ids])")
+    _validate_publish(e)
+
+
+def _validate_publish(e: ExperimentConfig) -> None:
+    p, k = e.publish_vm, "experiment.publish_vm"
+    if not p.enabled:
+        return
+    if p.arm not in e.arms:
+        raise ConfigError(f"{k}.arm: {p.arm!r} is not one of experiment.arms ({', '.join(e.arms)})")
+    want = [-1] if p.arm == "alone" else e.staleness
+    if p.staleness not in want:
+        raise ConfigError(f"{k}.staleness: {p.staleness} is not one of {want} (arm {p.arm!r}: "
+                          f"{'-1, it reads no FM labels' if p.arm == 'alone' else 'experiment.staleness'})")
+    if p.seed not in e.seeds:
+        raise ConfigError(f"{k}.seed: {p.seed} is not one of experiment.seeds {e.seeds}")
+    if e.verticals and p.vertical not in e.verticals:
+        raise ConfigError(f"{k}.vertical: {p.vertical} is not one of experiment.verticals {e.verticals}")
+    if not p.every_s >= 0:
+        raise ConfigError(f"{k}.every_s: must be >= 0 (0: at every window end), got {p.every_s}")
+    if p.tables not in ("fp32", "fp16", "int8", "int4"):  # serving's WIDTHS, checked before any task runs
+        raise ConfigError(f"{k}.tables: {p.tables!r} is not one of fp32, fp16, int8, int4")
 
 
 def _validate_stream(cfg: ExfmConfig) -> None:

@@ -43,6 +43,7 @@ from recstack.exfm.config import ExfmConfig, StreamSourceSpec, exfm_config_from_
 from recstack.exfm.das import DasJob
 from recstack.exfm.lifetime import exit_with_parent
 from recstack.exfm.stream_windows import MANIFEST, open_windows
+from recstack.exfm.vm_publish import PublisherFactory
 from recstack.exfm.vm_stream import VMJob
 from recstack.exfm.windows import VerticalIndex, make_windows
 from recstack.io import atomic_write_text
@@ -167,8 +168,8 @@ def _init_worker(threads: int, runner_pid: int) -> None:
     exit_with_parent(runner_pid)  # a killed runner leaves no worker training on
 
 
-def _run_task(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """Runs in a worker process."""
+def _run_task(kind: str, payload: dict[str, Any], publisher: PublisherFactory | None = None) -> dict[str, Any]:
+    """Runs in a worker process; ``publisher`` builds the hook of a VM job that publishes (``publish_root``)."""
     if kind == "fm":
         from recstack.exfm.fm import run_fm_windows
 
@@ -187,12 +188,24 @@ def _run_task(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
         return result
     from recstack.exfm.vm_stream import run_vm_stream
 
-    return run_vm_stream(VMJob.from_dict(payload))
+    job = VMJob.from_dict(payload)
+    hooks = [publisher(job.publish_root, job.publish_every_s, job.publish_tables)] if job.publish_root and \
+        publisher is not None else []
+    return run_vm_stream(job, hooks=hooks)
 
 
 class ExperimentRunner:
-    def __init__(self, cfg: ExfmConfig, out_dir: str | Path, log=print) -> None:
+    """``publisher``: builds the hook that publishes ``experiment.publish_vm``'s VM (``recstack exfm run`` passes
+    the serving ``Publisher``; a picklable callable, as it runs in the task's worker process)."""
+
+    def __init__(self, cfg: ExfmConfig, out_dir: str | Path, log=print,
+                 publisher: PublisherFactory | None = None) -> None:
+        if cfg.experiment.publish_vm.enabled and publisher is None:
+            raise ConfigError("experiment.publish_vm: this runner was given no publisher (recstack exfm run gives it "
+                              "one; from Python: ExperimentRunner(..., "
+                              "publisher=recstack.serving.publish.make_publisher))")
         self.cfg = cfg
+        self.publisher = publisher
         self.out = Path(out_dir)
         self.log = log
         self.das: dict[int, subprocess.Popen] = {}
@@ -210,6 +223,9 @@ class ExperimentRunner:
             data = prepare_stream(cfg, self.out, seed)
             self.data[seed] = data
             verts = self._verticals(data, seed)
+            if e.publish_vm.enabled and seed == e.publish_vm.seed and e.publish_vm.vertical not in verts:
+                raise ConfigError(f"experiment.publish_vm.vertical: {e.publish_vm.vertical} is not a vertical with a "
+                                  f"VM in the data of seed {seed} ({verts})")
             self.verticals[seed] = verts
             sd = self.out / f"seed{seed}"
             key = data_key(cfg, data)
@@ -239,6 +255,10 @@ class ExperimentRunner:
                         job = VMJob.from_dict({**base, "phase": "arm", "vertical": v, "arm": arm, "staleness": d,
                                                "store": store, "warm_dir": str(warm_dir)})
                         job.out_dir = str(vd / f"{name}-{arm_key(cfg, job, warm_key, stores.get(d, ''))}")
+                        if e.publish_vm.matches(seed, v, arm, d):  # not in the key: publishing changes no result
+                            pub = e.publish_vm
+                            job.publish_root = str(Path(pub.root) if pub.root else self.out / "published")
+                            job.publish_every_s, job.publish_tables = pub.every_s, pub.tables
                         deps = [f"warm/s{seed}/v{v}"] + ([f"fm/s{seed}"] if d >= 0 else [])
                         arm_tasks.append(Task(f"{name}/s{seed}/v{v}", "vm", job.to_dict(),
                                               Path(job.out_dir) / "result.json", deps, seed))
@@ -324,7 +344,7 @@ class ExperimentRunner:
                             break
                         if all(d in done for d in t.deps):
                             pending.remove(t)
-                            running[pool.submit(_run_task, t.kind, t.payload)] = t
+                            running[pool.submit(_run_task, t.kind, t.payload, self.publisher)] = t
                     finished, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
                     self._check_das()
                     for f in finished:
@@ -399,5 +419,10 @@ class ExperimentRunner:
                    "vm": [{"seed": r["job"]["seed"], "vertical": r["job"]["vertical"], "arm": r["job"]["arm"],
                            "staleness": r["job"]["staleness"], "records": r["records"], "summary": r["summary"]}
                           for r in vms]}
+        published = [r for r in vms if r["job"].get("publish_root")]
+        if published:
+            r = published[0]
+            results["published_vm"] = {**{k: r["job"][k] for k in ("seed", "vertical", "arm", "staleness")},
+                                       "root": r["job"]["publish_root"], "versions": r.get("published", [])}
         write_report(results, self.out)
         return results

@@ -19,6 +19,7 @@ import torch
 from recstack.data.format import capped_table_sizes
 from recstack.data.loader import BatchLoader
 from recstack.data.prepared_dataset import PreparedDataset
+from recstack.embedding.dynamic_stage import dynamic_table_layout
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.exfm.config import NetSpec
 from recstack.exfm.source import FeatureLayout, PreparedWindows, WindowSource
@@ -36,18 +37,25 @@ EVAL_BATCH = 4096
 
 def build_net(spec: NetSpec, ds: FeatureLayout, seed: int, device: torch.device | str = "cpu") -> DLRM:
     """A DLRM of ``spec`` for ``ds``'s features (a prepared set, or a stream's ``WindowSource.features``); dense
-    layers from torch's RNG seeded with ``seed``."""
+    layers from torch's RNG seeded with ``seed``. Dynamic id tables (``model.dynamic_ids``) have their capacity
+    in rows, their default row 0 at zero."""
     seed_everything(seed)
     sizes = capped_table_sizes(ds.table_sizes, spec.model.max_table_size)
+    sizes, _, zeros = dynamic_table_layout(spec.model.dynamic_ids, ds.table_names, sizes, None, [0] * len(sizes))
     return build_model(spec.model, sparse_optimizer_config(spec.optim), len(ds.dense_features), sizes, seed=seed,
-                       device=device, names=ds.table_names)
+                       device=device, names=ds.table_names, zero_rows=zeros if any(zeros) else None)
 
 
 def table_caps(spec: NetSpec, ds: FeatureLayout) -> torch.Tensor | None:
-    """[F] capped table sizes when ``model.max_table_size`` is set (ids are taken modulo), else None."""
-    if spec.model.max_table_size <= 0:
+    """[F] what ids are taken modulo: the capped table sizes when ``model.max_table_size`` is set, 0 for the
+    features of dynamic id tables (their raw ids go to the id map); None when no id is changed."""
+    dyn = spec.model.dynamic_ids
+    if spec.model.max_table_size <= 0 and not dyn.enabled:
         return None
-    return torch.tensor(capped_table_sizes(ds.table_sizes, spec.model.max_table_size), dtype=torch.int64)
+    sizes = capped_table_sizes(ds.table_sizes, spec.model.max_table_size)
+    caps = sizes if spec.model.max_table_size > 0 else [0] * len(sizes)  # 0: ids as they are
+    caps = dynamic_table_layout(dyn, ds.table_names, sizes, caps, [0] * len(sizes))[1] or caps
+    return torch.tensor(caps, dtype=torch.int64)
 
 
 def publish_snapshot(snap_dir: Path, version: int, model: DLRM, spec: NetSpec, ds: FeatureLayout) -> Path:

@@ -199,13 +199,60 @@ def plot_by_window(results: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
+def published_vm(results: dict[str, Any]) -> dict[str, Any] | None:
+    """The published VM (``experiment.publish_vm``) with its NE and NE gain % over the VM alone of its seed and
+    vertical, and what its server measured when that was added (``served``: p50 / p99 ms, req/s); None: none."""
+    pub = results.get("published_vm")
+    if not pub:
+        return None
+    key = (pub["seed"], pub["vertical"])
+    ne = {(r["arm"], r["staleness"]): r["summary"]["serving"]["ne"] for r in results["vm"]
+          if (r["seed"], r["vertical"]) == key}
+    arm_ne, alone_ne = ne[(pub["arm"], pub["staleness"])], ne[("alone", -1)]
+    return {**pub, "ne": arm_ne, "alone_ne": alone_ne, "ne_gain": ne_gain(alone_ne, arm_ne)}
+
+
+def published_markdown(pub: dict[str, Any]) -> str:
+    """The report's line for the published VM: its NE gain beside its served latency (when measured)."""
+    versions = pub.get("versions", [])
+    fulls = sum(1 for v in versions if v.get("full"))
+    head = (f"Published VM (seed {pub['seed']}, vertical {pub['vertical']}, {ARM_TITLES[pub['arm']]}, staleness "
+            f"{pub['staleness']}) to {pub['root']}: {len(versions)} versions ({fulls} full, {len(versions) - fulls} "
+            f"deltas); NE {pub['ne']:.4f}, NE gain {pub['ne_gain']:+.2f}% over the VM alone ({pub['alone_ne']:.4f})")
+    s = pub.get("served")
+    if not s:
+        return head + "; not served in this run.\n"
+    return (head + f"; served: p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms at "
+            f"{s['rps']:.0f} req/s ({s['what']}).\n")
+
+
 def write_report(results: dict[str, Any], out: Path) -> dict[str, Any]:
     """results.json, report.md, ne_gain.png and ne_by_window.png in ``out``; -> the summary."""
     out = Path(out)
     summary = summarize(results)
     results = {**results, "summary": summary}
+    pub = published_vm(results)
+    if pub is not None:
+        results["published_vm"] = pub
+    text = markdown(summary, results.get("vertical_names", []))
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "report.md").write_text(markdown(summary, results.get("vertical_names", [])))
+    (out / "report.md").write_text(text + ("\n" + published_markdown(pub) if pub is not None else ""))
     plot_gain(summary, out / "ne_gain.png")
     plot_by_window(results, out / "ne_by_window.png")
     return summary
+
+
+def add_served(out: Path, served: dict[str, Any]) -> dict[str, Any]:
+    """Record what the published VM's server measured (``served``: ``p50_ms``, ``p99_ms``, ``rps`` and ``what``
+    was measured) in the report of the run in ``out`` (results.json and report.md rewritten) -> the published
+    VM's entry. A ValueError when the run published no VM."""
+    out = Path(out)
+    results = json.loads((out / "results.json").read_text())
+    if not results.get("published_vm"):
+        raise ValueError(f"{out / 'results.json'}: the run published no VM (experiment.publish_vm)")
+    for key in ("p50_ms", "p99_ms", "rps", "what"):
+        if key not in served:
+            raise ValueError(f"served figures: {key!r} missing")
+    results["published_vm"]["served"] = served
+    write_report(results, out)
+    return json.loads((out / "results.json").read_text())["published_vm"]

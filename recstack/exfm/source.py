@@ -19,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
+from recstack.data.format import DataDescription
 from recstack.data.loader import RowSet
 from recstack.data.prepared_dataset import PreparedDataset
 from recstack.exfm.windows import VerticalIndex, Window
@@ -72,6 +73,11 @@ class WindowSource(WindowRowsIndex, Protocol):
         """Sorted vertical ids of the windows returned so far (a prepared set: all of its verticals)."""
         ...
 
+    def describe(self, raw: list[bool]) -> DataDescription:
+        """The data as export and serving see it (features, tables, transforms), to publish a model trained on
+        it; ``raw``: per feature, whether its ids reach the model raw (a dynamic id table)."""
+        ...
+
 
 class PreparedWindows:
     """The ``windows`` of a prepared data set ``ds`` (all known up front)."""
@@ -98,3 +104,6 @@ class PreparedWindows:
 
     def verticals(self) -> list[int]:
         return self.index.verticals
+
+    def describe(self, raw: list[bool]) -> DataDescription:
+        return self.ds  # its transforms give the ids a dynamic table's map takes in training too

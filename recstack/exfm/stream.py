@@ -26,7 +26,7 @@ from recstack.exfm.windows import Window
 from recstack.io import json_safe
 from recstack.metrics import BinaryMetrics
 from recstack.training.checkpoint.single import latest_checkpoint, save_checkpoint
-from recstack.training.checkpoint.state import rng_state, set_rng_state
+from recstack.training.checkpoint.state import Stateful, rng_state, set_rng_state
 from recstack.training.logger import MetricsLogger, read_jsonl
 from recstack.training.step import optimizer_step
 
@@ -55,6 +55,7 @@ class StreamTrainer:
         ckpt_dir: per-window checkpoints (None: none, no resume).
         on_window_end: called with the window index after training on it, before the checkpoint.
         describe: window -> extra fields of its record (e.g. the FM snapshot version it was labelled with).
+        states: more state of the checkpoint (e.g. dynamic id maps), each merged in with its own keys.
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class StreamTrainer:
         on_window_end: Callable[[int], None] | None = None,
         describe: Callable[[Window], dict[str, Any]] | None = None,
         resume: bool = True,
+        states: Sequence[Stateful] = (),
     ) -> None:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.window_at: WindowLookup = windows if callable(windows) else _lookup(windows)
@@ -84,6 +86,7 @@ class StreamTrainer:
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None
         self.on_window_end = on_window_end
         self.describe = describe
+        self.states = list(states)
         self.records: list[dict[str, Any]] = []  # one per finished window
         self.totals: dict[str, BinaryMetrics] = {}
         self.log_dir = Path(log_dir) if log_dir else None
@@ -94,7 +97,11 @@ class StreamTrainer:
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        for s in self.states:
+            extra.update(s.state_dict())
         return {
+            **extra,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "next_window": self.next_window,
@@ -110,6 +117,8 @@ class StreamTrainer:
         self.records = json.loads(state["records_json"])
         self.totals = {k: BinaryMetrics.from_state(v) for k, v in state["totals"].items()}
         set_rng_state(state["rng"])
+        for s in self.states:
+            s.load_state_dict(state)
 
     # -- loop ------------------------------------------------------------------------------------------
     @torch.no_grad()

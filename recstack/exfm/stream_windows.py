@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from recstack.data.batch import Batch
+from recstack.data.format import DataDescription
 from recstack.data.loader import RowSet
 from recstack.data.prepare.schema import load_schema
 from recstack.data.prepared_dataset import PreparedDataset
@@ -83,8 +84,8 @@ class DirectoryWindows:
                  max_windows: int = 0, poll_s: float = 0.2) -> None:
         self.stream = DirectoryStream(spec.dir, spec.idle_s, poll_s)
         self.stream.check()
-        reader = SchemaPartitions(load_schema(spec.schema))  # refuses what a stream cannot encode
-        self.schema, layout = reader.schema, reader.layout
+        self.reader = SchemaPartitions(load_schema(spec.schema))  # refuses what a stream cannot encode
+        self.schema, layout = self.reader.schema, self.reader.layout
         self._features = StreamFeatures(layout.dense_names, layout.table_names, layout.table_sizes)
         self.manifest, self.leader, self.wait_s = Path(manifest), leader, wait_s
         self.max_windows, self.poll_s = max_windows, poll_s
@@ -209,6 +210,9 @@ class DirectoryWindows:
 
     def verticals(self) -> list[int]:
         return [-1, *self._verticals] if self._missing else list(self._verticals)
+
+    def describe(self, raw: list[bool]) -> DataDescription:
+        return self.reader.describe(Path(self.stream.location), raw)
 
 
 def open_windows(data: str, windows: StreamConfig, source: StreamSourceSpec, manifest: str, wait_s: float,

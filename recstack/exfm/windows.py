@@ -18,6 +18,7 @@ import torch
 from recstack.data.batch import Batch
 from recstack.data.format import PreparedFormatError
 from recstack.data.loader import RowSet
+from recstack.data.loader import cap_ids as loader_cap_ids
 from recstack.data.prepared_dataset import PreparedDataset
 from recstack.exfm.config import StreamConfig
 
@@ -106,10 +107,10 @@ class VerticalIndex:
 
 
 def cap_ids(batch: Batch, caps: torch.Tensor | None) -> Batch:
-    """Take ids modulo each feature's capped table size (``model.max_table_size``), as ``BatchLoader`` does."""
+    """Take ids modulo each feature's capped table size (``model.max_table_size``; a cap of 0 leaves a dynamic
+    table's raw ids as they are), with ``BatchLoader``'s own rule."""
     if caps is not None:
-        s = batch.sparse
-        s.ids = torch.remainder(s.ids, caps.repeat_interleave(s.lengths.view(s.num_features, -1).sum(1)))
+        loader_cap_ids(batch, caps)
     return batch
 
 

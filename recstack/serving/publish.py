@@ -6,7 +6,8 @@
     publisher.close(trainer)                  # at the end: publishes the final state (unless already published)
     publisher.publish(trainer)                # now, whatever the cadence -> Published
 
-What it takes from the trainer: ``trainer.model`` (the DLRM, one process: its tables whole), ``trainer.cfg`` (the
+What it takes from the trainer (a ``recstack.training.hooks.TrainingRun``: the ``Trainer``, or an ExFM vertical
+model's stream): ``trainer.model`` (the DLRM, one process: its tables whole), ``trainer.cfg`` (the
 root Config, recorded in the manifest), ``trainer.data_description()`` (the prepared set or the stream whose
 description gives the feature transforms; ``data=`` overrides it), ``trainer.step`` and ``trainer.logger`` (a
 ``publish`` record: seconds, bytes, delta_fraction, version, full).
@@ -26,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -47,11 +48,8 @@ from recstack.serving.export import (
 )
 from recstack.serving.quantized import GroupArrays
 from recstack.serving.transforms import transforms_from_data
-from recstack.training.hooks import PartitionInfo
+from recstack.training.hooks import PartitionInfo, TrainingRun
 from recstack.training.inference import check_data
-
-if TYPE_CHECKING:
-    from recstack.training.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -105,18 +103,18 @@ class Publisher:
         self._full_version, self._chain, self._chain_bytes, self._full_bytes = 0, 0, 0, 0
 
     # -- the PartitionHook -----------------------------------------------------------------------------
-    def after_partition(self, trainer: Trainer, info: PartitionInfo) -> None:
+    def after_partition(self, trainer: TrainingRun, info: PartitionInfo) -> None:
         if self.newest_arrival is None or info.arrived_at >= self.newest_arrival:
             self.newest_arrival, self.newest_partition = info.arrived_at, info.name
         if self._published_at is None or self.clock() - self._published_at >= self.every_s:
             self.publish(trainer)
 
-    def close(self, trainer: Trainer) -> None:
+    def close(self, trainer: TrainingRun) -> None:
         if self._published_step != trainer.step:
             self.publish(trainer)
 
     # -- publishing ------------------------------------------------------------------------------------
-    def publish(self, trainer: Trainer, full: bool = False) -> Published:
+    def publish(self, trainer: TrainingRun, full: bool = False) -> Published:
         """Write the trainer's current model as the next version (full or delta by the rule; ``full``: a full
         artifact whatever the rule says) and log it."""
         if trainer.world > 1:
@@ -197,6 +195,12 @@ class Publisher:
             record["published_after_arrival_s"] = max(self.clock() - self.newest_arrival, 0.0)
         trainer.logger.log(trainer.step, "publish", record)
         return out
+
+
+def make_publisher(model_root: str, every_s: float, tables: str = "fp32") -> Publisher:
+    """A ``Publisher`` with the default rule and ``tables`` widths: a plain function (picklable by name), for a
+    caller that builds the hook in another process (``recstack.exfm.experiment.ExperimentRunner``)."""
+    return Publisher(model_root, every_s, PublishSpec(tables=tables))
 
 
 def _transforms_digest(doc: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:

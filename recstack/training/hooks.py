@@ -1,16 +1,21 @@
 """The seam a stream run offers at every partition boundary: a ``PartitionHook`` is called after each partition
 was evaluated, trained on and checkpointed (a publisher exports the model there), and once at the end.
 
-Register one with ``StreamTrainer.add_hook(hook)`` (``recstack.training.stream``) before ``train()``.
+Register one with ``StreamTrainer.add_hook(hook)`` (``recstack.training.stream``) before ``train()``. A hook sees
+the run through ``TrainingRun``: the ``Trainer`` is one, an ExFM vertical model's window stream another
+(``recstack.exfm.vm_publish``), so a hook such as the serving ``Publisher`` follows either.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from recstack.training.trainer import Trainer
+    from recstack.config import Config
+    from recstack.data.format import DataDescription
+    from recstack.models.dlrm import DLRM
 
 
 @dataclass(frozen=True)
@@ -26,11 +31,35 @@ class PartitionInfo:
     step: int
 
 
+class RecordLog(Protocol):
+    def log(self, step: int, kind: str, values: Mapping[str, Any]) -> None:
+        """Record ``values`` of one ``kind`` at ``step`` (``MetricsLogger.log``)."""
+        ...
+
+
+class TrainingRun(Protocol):
+    """What a hook reads of the run it follows: ``model`` (the DLRM it would serve, tables whole), ``cfg`` (the
+    root Config of that model: its ``[model]`` and ``[data]`` at least), ``world`` (processes), ``step`` (the
+    run's progress counter), ``logger`` and the data the model trains on."""
+
+    model: DLRM
+    cfg: Config
+    world: int
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def logger(self) -> RecordLog: ...
+
+    def data_description(self) -> DataDescription: ...
+
+
 class PartitionHook(Protocol):
-    def after_partition(self, trainer: Trainer, info: PartitionInfo) -> None:
+    def after_partition(self, trainer: TrainingRun, info: PartitionInfo) -> None:
         """After the partition's checkpoint; the model holds the weights trained on it. Errors stop the run."""
         ...
 
-    def close(self, trainer: Trainer) -> None:
+    def close(self, trainer: TrainingRun) -> None:
         """Once, when the stream ended (idle), after the last partition's hooks."""
         ...
