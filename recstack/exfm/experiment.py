@@ -224,8 +224,8 @@ class ExperimentRunner:
             self.data[seed] = data
             verts = self._verticals(data, seed)
             if e.publish_vm.enabled and seed == e.publish_vm.seed and e.publish_vm.vertical not in verts:
-                raise ConfigError(f"experiment.publish_vm.vertical: {e.publish_vm.vertical} is not a vertical with a "
-                                  f"VM in the data of seed {seed} ({verts})")
+                raise ConfigError(f"experiment.publish_vm.vertical: {e.publish_vm.vertical} is not a vertical of the "
+                                  f"data with a VM, seed {seed} ({verts})")
             self.verticals[seed] = verts
             sd = self.out / f"seed{seed}"
             key = data_key(cfg, data)
