@@ -231,3 +231,21 @@ def test_a_follower_waits_a_bounded_time_for_the_leader(tmp_path: Path) -> None:
     follower = DirectoryWindows(spec, tmp_path / MANIFEST, leader=False, wait_s=0.3, poll_s=0.05)
     with pytest.raises(StreamError, match="window 0 of stream .* not taken by the foundation model after 0 s"):
         follower.window(0)
+
+
+def test_a_stream_describes_itself_to_the_publisher(tmp_path: Path) -> None:
+    """What a VM published from a stream is exported with (``WindowSource.describe``): the stream's directory and
+    its schema's encoders, whose ids a dynamic table's map takes in training and in serving alike."""
+    from recstack.serving.transforms import transforms_from_data
+
+    spec = _spec(tmp_path, idle_s=0.3)
+    _write(Path(spec.dir), "p0.csv", _csv("ab", 0))
+    windows = DirectoryWindows(spec, tmp_path / MANIFEST, leader=True, wait_s=0.0, poll_s=0.05)
+    layout = windows.features
+    raw = [True] + [False] * (len(layout.table_names) - 1)
+    desc = windows.describe(raw)
+    assert desc.path == Path(spec.dir) and desc.table_names == layout.table_names
+    assert desc.dense_features == layout.dense_features
+    assert desc.table_sizes == layout.table_sizes
+    doc, _ = transforms_from_data(desc)
+    assert doc["kind"] == "schema"
