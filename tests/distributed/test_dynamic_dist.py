@@ -31,11 +31,6 @@ def churn(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(cfg, tmp_path_factory.mktemp("churn") / "data", progress=False)
 
 
-def _losses(run: Path) -> list[float]:
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [x["loss"] for x in lines if x["kind"] == "train"]
-
-
 def _served(models: Path, rows: list[dict]) -> np.ndarray:
     model = ServingModel.load(models / "1")
     return model.score(model.encode(rows, ids=True)).double().numpy()
@@ -43,8 +38,9 @@ def _served(models: Path, rows: list[dict]) -> np.ndarray:
 
 def test_two_ranks_match_one_process_and_export_alike(churn: Path, tmp_path: Path) -> None:
     """Every id of a step gets a row as in one process (the default row 0 for ids seen once, admit_after = 2),
-    with the same initial vector wherever it lands, so losses, metrics and served scores are one process's; the
-    dynamic tables are row_wise whatever dist.sharding says."""
+    with the same initial vector wherever it lands, so the evaluation (every rank's predictions) and the served
+    scores are one process's (the logged loss is rank 0's half batch's); the dynamic tables are row_wise whatever
+    dist.sharding says."""
     one = cli_train(tmp_path / "one", churn, [*COMMON, *ROOMY, "train.batch_size=128"])
     two = cli_train(tmp_path / "two", churn, [*COMMON, *ROOMY, "train.batch_size=64"], launcher=TWO)
     assert two["world_size"] == 2 and two["train_samples"] == one["train_samples"]
@@ -52,7 +48,6 @@ def test_two_ranks_match_one_process_and_export_alike(churn: Path, tmp_path: Pat
     assert two["dynamic_ids/admissions"] == one["dynamic_ids/admissions"] > 0
     assert two["dynamic_ids/default_hits"] == one["dynamic_ids/default_hits"] > 0
     assert two["dynamic_ids/collisions"] == 0
-    assert _losses(tmp_path / "two") == pytest.approx(_losses(tmp_path / "one"), abs=1e-5)
     for k in ("auc", "logloss", "ne"):
         assert two[k] == pytest.approx(one[k], abs=1e-5), k
     # the export of the sharded checkpoint: the union of the ranks' maps, in the table's rows
