@@ -10,11 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import RECSTACK, cli_train, kill_after_checkpoints, run_cli, torchrun, train_args
 
 from recstack.cli.main import main
 from recstack.data.prepared_dataset import PreparedDataset
 from recstack.data.synth.generate import SynthConfig, generate
+from recstack.distributed.dynamic_dist import merge_maps, split_map
+from recstack.embedding.dynamic import DynamicIdMap, id_owner
+from recstack.errors import ConfigError
 from recstack.serving.model import ServingModel
 
 TWO = torchrun(2)
@@ -115,3 +119,28 @@ def test_plan_places_dynamic_tables_row_wise_over_every_rank(churn: Path, tmp_pa
     assert "row_wise" in capsys.readouterr().out
     assert main(["plan", "--tables", str(churn), "--topology", "1x3", "--dynamic-capacity", "1K"]) != 0
     assert "--dynamic-capacity: 1,000 rows must split evenly over the 3 ranks" in capsys.readouterr().err
+
+
+def test_sharded_maps_merge_into_one_process_form_and_split_back() -> None:
+    """Two ranks' maps (each of the ids hashing to it, 8 rows) merge into one map of 16 table rows that looks ids
+    up as the ranks do (rank 1's row r is table row 8 + r, unknown ids row 0), and split back exactly."""
+    every = torch.arange(100, 140)
+    maps = [DynamicIdMap(capacity=8, admit_after=2) for _ in range(2)]
+    for step in range(3):
+        batch = every[step * 6 : step * 6 + 12]
+        for k, m in enumerate(maps):
+            m.remap(batch[id_owner(batch, 2) == k])
+    merged = merge_maps([m.state_dict() for m in maps])
+    one = DynamicIdMap(capacity=16, admit_after=2)
+    one.load_state_dict(merged)  # what recstack eval / export load
+    for k, m in enumerate(maps):
+        mine = every[id_owner(every, 2) == k]
+        local = m.lookup(mine)
+        assert torch.equal(one.lookup(mine), torch.where(local > 0, local + 8 * k, 0))
+        assert (local > 0).any() and (local == 0).any()  # admitted ids and ids on the default row
+        back = split_map(merged, k, 2, "ckpt")
+        for key, value in m.state_dict().items():
+            assert torch.equal(back[key], value) if isinstance(value, torch.Tensor) else back[key] == value, key
+    assert one.stats()["admissions"] == sum(m.stats()["admissions"] for m in maps)
+    with pytest.raises(ConfigError, match="holds id maps dealt to 2 rank"):
+        split_map(merged, 0, 4, "ckpt")

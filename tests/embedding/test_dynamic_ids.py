@@ -240,3 +240,4 @@ def test_id_values_and_owners_depend_on_the_id_alone() -> None:
     owners = id_owner(torch.arange(10_000), 4)
     assert owners.min() >= 0 and owners.max() <= 3
     assert (torch.bincount(owners, minlength=4) - 2500).abs().max() < 150
+
