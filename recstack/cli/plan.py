@@ -231,7 +231,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-table-size", type=parse_count, help="cap every table at this many rows")
     g.add_argument("--pooling", type=float, help="mean ids per sample (default 1; a file's own values win)")
     g.add_argument("--dynamic-capacity", type=parse_count, default=0, metavar="N",
-                   help="plan dynamic id tables (model.dynamic_ids) at their capacity of N rows each (0: off)")
+                   help="plan dynamic id tables (model.dynamic_ids) at their capacity of N rows each, "
+                        "row_wise over every rank in order (0: off)")
     g.add_argument("--dynamic-tables", metavar="NAMES", help="the dynamic tables, comma-separated (default: all)")
     g.add_argument("--qr-collisions", type=int, default=0, metavar="M",
                    help="plan the quotient-remainder tables of model.qr_collisions = M (0: off)")
@@ -291,10 +292,15 @@ def run(args: argparse.Namespace) -> ShardingPlan:
                         fwd_row_bytes=CODEC_ROW_BYTES[args.forward_codec],
                         bwd_row_bytes=CODEC_ROW_BYTES[args.backward_codec], cache_policy=args.cache_policy,
                         zipf_exponent=args.zipf)
+    dynamic = (args.dynamic_tables.split(",") if args.dynamic_tables else [t.name for t in tables]
+               ) if args.dynamic_capacity else []
+    if dynamic and args.dynamic_capacity % (nodes * devices):  # each rank owns the ids hashing to it, C / W rows
+        raise PlanError(f"--dynamic-capacity: {args.dynamic_capacity:,} rows must split evenly over the "
+                        f"{nodes * devices} ranks of --topology (dynamic tables are row_wise over every rank)")
     t1 = time.perf_counter()
     plan = plan_sharding(tables, topology, args.batch_size, config=config, constraints=_constraints(args.constraint),
                          force=args.force_sharding, min_column_dim=args.min_column_dim, time_limit_s=args.time_limit,
-                         tiers=tiers)
+                         tiers=tiers, even_row_wise=dynamic)
     t2 = time.perf_counter()
     print(render_plan(plan, tables, CostModel(topology, args.batch_size, config), top=args.top))
     print(f"planned in {format_seconds(t2 - t1)} (building the tables: {format_seconds(t1 - t0)})")

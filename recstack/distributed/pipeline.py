@@ -96,9 +96,15 @@ class InputPipeline:
     def eval_transform(self) -> Callable[[Batch], Batch] | None:
         """Evaluation batches are split only: no prefetch (the hook expects the training order) and
         no ids ahead (evaluation runs its input distribution in the step)."""
-        if self.dynamic is not None:
-            return self.dynamic.lookup_batch  # (no QR split: refused with dynamic ids)
+        if self.dynamic is not None:  # (no QR split: refused with dynamic ids)
+            return None if self.dynamic.collective else self.dynamic.lookup_batch
         return self.model.split_batch if self.model.qr is not None else None
+
+    @property
+    def eval_step(self) -> Callable[[Batch], Batch] | None:
+        """What the evaluating thread applies to each evaluation batch itself: sharded dynamic ids' lookups,
+        a collective (never run in the loader's thread)."""
+        return self.dynamic.lookup_batch if self.dynamic is not None and self.dynamic.collective else None
 
     def _train(self, batch: Batch) -> Batch:
         batch = self.model.split_batch(batch)

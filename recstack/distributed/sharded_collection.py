@@ -229,6 +229,25 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
             self.replicated = ReplicatedEmbeddingBagCollection(cfgs, self.optimizer.config, whole, self.device,
                                                                self.dp_group, self.stats)
+        self.resets_rows = all(cast(EmbeddingCollection, m).resets_rows for m in self.groups.values())
+
+    @torch.no_grad()
+    def reset_rows(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Rows [k] of table ``name`` (numbered in the whole table, all held by this rank's shards: dynamic ids'
+        rows are reset by their owner) get ``values`` [k, dim] and a new row's optimizer state."""
+        t = next(i for i, tc in enumerate(self.tables) if tc.name == name)
+        done = torch.zeros(rows.numel(), dtype=torch.bool)
+        for m in self.groups.values():
+            group = cast(EmbeddingCollection, m)
+            for tc in group.tables:
+                if tc.name.startswith(f"{name}.shard"):
+                    s = self.shards[t][int(tc.name.rsplit("shard", 1)[1])]
+                    mine = (rows >= s.row0) & (rows < s.row1)
+                    group.reset_rows(tc.name, rows[mine] - s.row0, values[mine][:, s.col0 : s.col1])
+                    done |= mine
+        if not bool(done.all()):
+            raise ValueError(f"reset_rows: rank {self.rank} holds no shard of table {name!r} with rows "
+                             f"{rows[~done].tolist()}")
 
     # -- forward -----------------------------------------------------------------------------------------
     def prepare_input(self, sparse: SparseFeatures) -> PreparedInput:

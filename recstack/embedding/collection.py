@@ -35,17 +35,14 @@ class TableConfig:
     init_bound: float = 0.0
 
 
+def init_bound(table: TableConfig) -> float:
+    """The bound of the table's uniform init: ``init_bound``, else the DLRM reference's 1/sqrt(rows)."""
+    return table.init_bound or table.num_embeddings**-0.5
+
+
 def _generator(table: TableConfig, seed: int, index: int) -> tuple[torch.Generator, float]:
-    """The per-table generator and the bound of its uniform init: ``init_bound``, else the DLRM reference's
-    1/sqrt(rows)."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + index), table.init_bound or table.num_embeddings**-0.5
-
-
-def reset_values(table: TableConfig, n: int, generator: torch.Generator) -> torch.Tensor:
-    """``n`` rows [n, dim] float32 for ids new to a row of ``table`` (dynamic ids): uniform at the table's init bound,
-    drawn from ``generator``."""
-    bound = table.init_bound or table.num_embeddings**-0.5
-    return torch.empty(n, table.embedding_dim).uniform_(-bound, bound, generator=generator)
+    """The per-table generator and the bound of its uniform init (``init_bound``)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + index), init_bound(table)
 
 
 def init_table(table: TableConfig, seed: int, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -185,9 +182,9 @@ class EmbeddingCollection(nn.Module, abc.ABC):
     # Whether ``reset_rows`` works (a collection holding its rows in memory on one process).
     resets_rows: bool = False
 
-    def reset_rows(self, name: str, rows: torch.Tensor, generator: torch.Generator) -> None:
-        """Give rows [k] (of table ``name``) to new ids (dynamic ids): new initial values (``reset_values``)
-        and the optimizer state of a new row."""
+    def reset_rows(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Give rows [k] (of table ``name``, numbered in the whole table) to new ids (dynamic ids): their initial
+        ``values`` [k, dim] and the optimizer state of a new row."""
         raise NotImplementedError(f"{type(self).__name__} cannot reset rows")
 
     def close(self) -> None:

@@ -23,8 +23,10 @@ one id. When no row is free:
 
 Ids that compete for the last rows are admitted in the order (more sightings first, then the smaller id), so the
 map is a function of the id sequence alone: a resumed run rebuilds exactly the same map. A row given to a new id
-is reported to ``on_assign`` (rows [k], the admission serial of the first): the owner re-initialises the row and
-resets its optimizer state (``EmbeddingCollection.reset_rows``).
+is reported to ``on_assign`` (rows [k], their ids [k]): the owner re-initialises the row with values keyed by the
+id (``id_values``: the same vector for an id wherever, and whenever, it is admitted) and resets its optimizer state
+(``EmbeddingCollection.reset_rows``). ``id_owner`` deals ids to ranks by the same hash (row-wise sharded dynamic
+tables: ``recstack.distributed.dynamic_dist``).
 """
 
 from __future__ import annotations
@@ -94,6 +96,34 @@ class DynamicIdsConfig:
                     raise ConfigError(f"model.dynamic_ids.{key}: the data has no table {name!r} (tables: {shown})")
 
 
+_M1, _M2, _GOLDEN = -4658895280553007687, -7723592293110705685, -7046029254386353131  # splitmix64, as int64
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 [..] (wrapping arithmetic; logical shifts through a mask): a bijection
+    whose output bits all depend on every input bit, so consecutive raw ids spread evenly."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _M1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _M2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def id_owner(ids: torch.Tensor, world: int) -> torch.Tensor:
+    """Raw ids [n] int64 -> the rank [n] int64 in [0, world) that owns each (its id map and rows)."""
+    return _mix64(ids.to(_I64)).remainder(world)
+
+
+def id_values(ids: torch.Tensor, key: int, dim: int, bound: float) -> torch.Tensor:
+    """The initial vector of each raw id [k] int64 admitted to a row: [k, dim] float32, uniform(-bound, bound),
+    a function of (``key``, id, column) alone (``key``: the run's seed and the table), so an id gets the same
+    vector on any rank, in any row, at any admission."""
+    col = torch.arange(dim, dtype=_I64)
+    x = _mix64(_mix64(ids.to(_I64).cpu() ^ _mix64(torch.tensor(key, dtype=_I64))).view(-1, 1) + (col + 1) * _GOLDEN)
+    unit = ((x >> 11) & ((1 << 53) - 1)).to(torch.float64) * 2.0**-53  # [k, dim] in [0, 1), 53 random bits
+    return ((2 * unit - 1) * bound).to(torch.float32)
+
+
 def _find(keys: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted ``keys`` [K], ``query`` [Q] -> (position [Q] clamped into keys, found [Q] bool)."""
     if keys.numel() == 0:
@@ -131,7 +161,8 @@ class DynamicIdMap:
     """Raw int64 ids -> rows in [1, capacity) of one table, row 0 the default (module docstring)."""
 
     def __init__(self, capacity: int, admit_after: int = 1, eviction: str = "lru", ttl_steps: int = 0,
-                 max_candidates: int = 0, on_assign: Callable[[torch.Tensor, int], None] | None = None) -> None:
+                 max_candidates: int = 0, on_assign: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+                 ) -> None:
         if capacity < 2 or eviction not in EVICTIONS:
             raise ValueError(f"DynamicIdMap: capacity {capacity} (>= 2), eviction {eviction!r}")
         self.capacity, self.admit_after, self.eviction, self.ttl_steps = capacity, admit_after, eviction, ttl_steps
@@ -250,7 +281,6 @@ class DynamicIdMap:
     def _admit(self, ids: torch.Tensor, total: torch.Tensor, rows: torch.Tensor) -> None:
         if ids.numel() == 0:
             return
-        serial = self.counters["admissions"]
         self.row_id[rows] = ids
         self.last_used[rows] = self.step
         self.hits[rows] = total
@@ -262,7 +292,7 @@ class DynamicIdMap:
                 self.cand_keys[keep], self.cand_count[keep], self.cand_seen[keep])
         self.counters["admissions"] += ids.numel()
         if self.on_assign is not None:
-            self.on_assign(rows, serial)
+            self.on_assign(rows, ids)
 
     # -- stats, state, export --------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from recstack.data.batch import SparseFeatures
-from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_block, reset_values
+from recstack.embedding.collection import EmbeddingCollection, TableConfig, init_block
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
 
 # (table index i, out [rows_i, D]) -> None: writes table i's initial rows into ``out`` (a view of the weight,
@@ -138,9 +138,9 @@ class FusedEmbeddingBagCollection(EmbeddingCollection):
     resets_rows = True
 
     @torch.no_grad()
-    def reset_rows(self, name: str, rows: torch.Tensor, generator: torch.Generator) -> None:
+    def reset_rows(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
         i = next(i for i, t in enumerate(self.tables) if t.name == name)
         at = rows.to(self.weight.device) + self.table_offsets[i]  # [k] rows of the concatenated weight
-        self.weight[at] = reset_values(self.tables[i], rows.numel(), generator).to(self.weight)
+        self.weight[at] = values.to(self.weight)
         for p in self.optimizer.state_parts:  # the state of a row never updated
             getattr(self, p.name)[at] = p.initial

@@ -82,6 +82,6 @@ class MixedDimEmbeddingCollection(EmbeddingCollection):
 
     resets_rows = True
 
-    def reset_rows(self, name: str, rows: torch.Tensor, generator: torch.Generator) -> None:
+    def reset_rows(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
         t = next(t for t in self.tables if t.name == name)
-        self._group(group_key(t.embedding_dim)).reset_rows(name, rows, generator)
+        self._group(group_key(t.embedding_dim)).reset_rows(name, rows, values)

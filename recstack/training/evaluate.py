@@ -5,12 +5,14 @@ merged across ranks), the generator's oracle AUC on synthetic data, and the run'
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from recstack.data.batch import Batch
 from recstack.data.loader import BatchLoader, LoaderPosition
 from recstack.data.prepared_dataset import PreparedDataset
 from recstack.embedding.collection import EmbeddingCollection
@@ -23,14 +25,18 @@ METRICS = ("auc", "logloss", "ne", "calibration", "ece", "accuracy")  # what sum
 
 @torch.no_grad()
 def evaluate_loader(net: torch.nn.Module, loader: BatchLoader, device: torch.device,
-                    embeddings: EmbeddingCollection, world: int) -> BinaryMetrics:
+                    embeddings: EmbeddingCollection, world: int,
+                    prepare: Callable[[Batch], Batch] | None = None) -> BinaryMetrics:
     """Score every batch of ``loader`` from its start with ``net`` (left in training mode) -> the accumulated
-    ``recstack.metrics.BinaryMetrics``, on every rank the same (gathered) ones. Collective under torchrun."""
+    ``recstack.metrics.BinaryMetrics``, on every rank the same (gathered) ones. Collective under torchrun.
+    ``prepare``: applied to each batch in this thread (``InputPipeline.eval_step``: collectives of its own)."""
     net.eval()
     metrics = BinaryMetrics()
     loader.position = LoaderPosition()
     for batch in loader.iterate_epoch():
         batch = batch.to(device)
+        if prepare is not None:
+            batch = prepare(batch)
         metrics.update(net(batch), batch.labels)
     net.train()
     embeddings.pop_counters()  # evaluation traffic is not part of the training step's figures

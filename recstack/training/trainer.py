@@ -32,6 +32,7 @@ from recstack.data.format import DataDescription, capped_table_sizes
 from recstack.data.loader import BatchLoader
 from recstack.data.sources import prepare_data
 from recstack.distributed import agreement, parallelize
+from recstack.distributed.dynamic_dist import ShardedDynamicIds, dynamic_placements
 from recstack.distributed.pipeline import InputPipeline
 from recstack.distributed.sharded_collection import ShardedEmbeddingCollection
 from recstack.embedding.dynamic_stage import DynamicIds, dynamic_table_layout
@@ -199,15 +200,19 @@ class Trainer:
         for any world size, the loaders' transforms, set once (``recstack.distributed.pipeline``): the
         quotient-remainder split, the cached tiers' prefetch hook and (a GPU) the staging copy in the loader
         thread, and with ``dist.pipeline`` the id messages built there (exchanged in this thread, a batch ahead)."""
-        d = self.cfg.dist
-        # before any sharding: under torchrun dynamic ids stop here with a ConfigError, alike on every rank
-        self.dynamic = DynamicIds(self.cfg.model.dynamic_ids, self.table_names, self.model.embeddings,
-                                  self.cfg.train.seed, self.world) if self.cfg.model.dynamic_ids.enabled else None
+        d, dyn, seed = self.cfg.dist, self.cfg.model.dynamic_ids, self.cfg.train.seed
         if self.world > 1:
             self._shard()
+        self.dynamic: DynamicIds | None = None
+        if dyn.enabled:  # under torchrun the maps are split by id hash over the dynamic tables' row shards
+            emb = self.model.embeddings
+            self.dynamic = (ShardedDynamicIds(dyn, self.table_names, cast(ShardedEmbeddingCollection, emb), seed)
+                            if self.world > 1 else DynamicIds(dyn, self.table_names, emb, seed))
         self.model.dynamic_ids = self.dynamic  # what an export of the model serves raw ids with
-        self.input_pipeline = InputPipeline(self.model, self.device, pipelined=self.world > 1 and d.pipeline,
-                                            dynamic=self.dynamic)
+        # Sharded dynamic ids remap a batch with a collective of its own step (admissions follow the step order):
+        # the next batch's ids cannot be routed ahead before this step's admissions, so no pipelining then.
+        pipelined = self.world > 1 and d.pipeline and self.dynamic is None
+        self.input_pipeline = InputPipeline(self.model, self.device, pipelined=pipelined, dynamic=self.dynamic)
         self._attach_transforms()
 
     def _attach_transforms(self) -> None:
@@ -217,7 +222,10 @@ class Trainer:
     def _shard(self) -> None:
         d = self.cfg.dist
         rpn = d.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        placements = parallelize.placements_from_config(d, [t.name for t in self.model.embeddings.tables], self.world)
+        names = [t.name for t in self.model.embeddings.tables]
+        placements = parallelize.placements_from_config(d, names, self.world)
+        if self.cfg.model.dynamic_ids.enabled:  # row_wise over every rank in order, or a ConfigError on every rank
+            placements = dynamic_placements(self.cfg.model.dynamic_ids, names, placements, self.world, d.plan)
         data = {"data.train": self.train_ds}
         if self.eval_ds is not self.train_ds:
             data["data.eval"] = self.eval_ds
@@ -350,7 +358,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """The metrics of the evaluation rows (the same on every rank); keeps their reliability bins for the
         summary's diagram."""
-        metrics = evaluate_loader(self.net, self.eval_loader, self.device, self.model.embeddings, self.world)
+        metrics = evaluate_loader(self.net, self.eval_loader, self.device, self.model.embeddings, self.world,
+                                  self.input_pipeline.eval_step)
         self._reliability = metrics.reliability()
         return metrics.compute()
 

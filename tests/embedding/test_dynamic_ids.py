@@ -15,8 +15,8 @@ from conftest import kill_after_checkpoints, run_cli, train_args
 from recstack.config import load_config
 from recstack.data.batch import Batch, SparseFeatures
 from recstack.data.synth.generate import SynthConfig, generate
-from recstack.embedding.collection import TableConfig, reset_values
-from recstack.embedding.dynamic import DynamicIdMap, DynamicIdsConfig
+from recstack.embedding.collection import TableConfig, init_bound
+from recstack.embedding.dynamic import DynamicIdMap, DynamicIdsConfig, id_owner, id_values
 from recstack.embedding.dynamic_stage import DynamicIds
 from recstack.embedding.fused import FusedEmbeddingBagCollection
 from recstack.embedding.mixed import MixedDimEmbeddingCollection
@@ -121,8 +121,8 @@ def test_reused_row_is_reinitialised_with_fresh_optimizer_state() -> None:
     row = dyn.remap_batch(batch(4)).sparse.ids.item()  # admission 3 evicts 1 (least recently used)
     assert row == rows[0].item()
     assert coll.accumulator[row].item() == 0.0 and (coll.accumulator[rows[1:]] > 0).all()
-    g = torch.Generator().manual_seed((7 * 1_000_003 + 0) * 1_000_000_007 + 3)
-    assert torch.equal(coll.weight[row], reset_values(table, 1, g)[0])
+    # the values are keyed by (seed, table, raw id): id 4 gets them in any row, on any rank
+    assert torch.equal(coll.weight[row], id_values(ids(4), 7 * 1_000_003 + 0, 3, init_bound(table))[0])
     assert coll.weight[0].abs().sum() == 0  # the default row starts at zero
 
 
@@ -133,8 +133,9 @@ def test_mixed_dim_collection_resets_the_row_of_its_table() -> None:
     group.weight[2].fill_(9.0)
     group.exp_avg[2].fill_(1.0)
     group.row_step[2] = 4.0
-    coll.reset_rows("B", torch.tensor([2]), torch.Generator().manual_seed(3))
-    assert torch.equal(coll.table_weight("B")[2], reset_values(tables[1], 1, torch.Generator().manual_seed(3))[0])
+    values = id_values(ids(11), 3, 2, init_bound(tables[1]))
+    coll.reset_rows("B", torch.tensor([2]), values)
+    assert torch.equal(coll.table_weight("B")[2], values[0])
     assert coll.table_weight("B")[2].abs().max() <= 0.5  # the table's own init bound
     assert group.exp_avg[2].abs().sum() == 0 and group.row_step[2] == 0
 
@@ -156,8 +157,12 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="vm.model.dynamic_ids: not supported by recstack exfm run"):
         load_exfm_config(None, ["vm.model.dynamic_ids.enabled=true"])
-    with pytest.raises(ConfigError, match="not supported under torchrun"):
-        DynamicIds(DynamicIdsConfig(enabled=True), ["C1"], None, world=2)
+    from recstack.distributed.dynamic_dist import check_capacities
+
+    with pytest.raises(ConfigError, match="model.dynamic_ids.capacity: 101 rows of table 'C1' must split evenly"):
+        check_capacities(DynamicIdsConfig(enabled=True, capacity=101), ["C1"], 2)
+    with pytest.raises(ConfigError, match="model.dynamic_ids.table_capacity.C2: 9 rows"):
+        check_capacities(DynamicIdsConfig(enabled=True, capacity=100, table_capacity={"C2": 9}), ["C1", "C2"], 2)
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +228,16 @@ def test_sigkill_then_resume_matches_uninterrupted(churn_data: Path, tmp_path: P
     keys = ["auc", "logloss", *(k for k in a if k.startswith("dynamic_ids/"))]
     assert len(keys) == 9 and a["dynamic_ids/evictions"] > 0
     assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+def test_id_values_and_owners_depend_on_the_id_alone() -> None:
+    """An id's initial vector is a function of (key, id): the same in any batch, row or rank; others differ.
+    Owners spread consecutive ids evenly over the ranks."""
+    a = id_values(ids(5, 2**62 + 3, -7), 11, 6, 0.25)
+    assert a.shape == (3, 6) and a.abs().max() < 0.25 and len({tuple(r) for r in a.tolist()}) == 3
+    assert torch.equal(id_values(ids(-7, 5), 11, 6, 0.25), a[[2, 0]])
+    assert not torch.equal(id_values(ids(5), 12, 6, 0.25), a[:1])  # another table or seed: other values
+    owners = id_owner(torch.arange(10_000), 4)
+    assert owners.min() >= 0 and owners.max() <= 3
+    assert (torch.bincount(owners, minlength=4) - 2500).abs().max() < 150
+

@@ -34,7 +34,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from recstack.distributed.planner.cost import CostConfig, CostModel
 from recstack.distributed.planner.inputs import PlanError, TableSpec, Topology
@@ -62,6 +62,7 @@ def plan_sharding(
     time_limit_s: float = 5.0,
     restarts: int = 16,
     tiers: bool = False,
+    even_row_wise: Collection[str] = (),
 ) -> ShardingPlan:
     """Choose a sharding type and ranks for every table (see the module docstring).
 
@@ -70,7 +71,9 @@ def plan_sharding(
     start; ``restarts`` is the number of shuffled starts tried within it. ``tiers``: where the tables do not
     fit in device memory, keep shards in host memory or on SSD behind device caches, within each rank's share
     of ``topology.ddr_bytes`` and ``topology.ssd_bytes`` (``tiers.py``); a plan that fits in device memory is
-    the device-only plan whatever ``tiers`` says (caches only add miss traffic).
+    the device-only plan whatever ``tiers`` says (caches only add miss traffic). ``even_row_wise``: tables sharded
+    row_wise over every rank in rank order, an even split (dynamic id tables: rank k owns the ids hashing to k and
+    rows [k * rows / W, (k + 1) * rows / W)), on the device, whatever else would cost less.
     """
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
@@ -78,17 +81,31 @@ def plan_sharding(
     model = CostModel(topology, batch_size_per_rank, config)
     allowed = allowed_types(tables, constraints, force)
     splits = []
+    W, even = topology.world_size, set(even_row_wise)
     for t, kinds in zip(tables, allowed, strict=True):
+        if t.name in even:
+            if t.rows % W or t.rows < 2 * W:
+                raise PlanError(f"table {t.name!r}: a dynamic table's {t.rows:,} rows must split evenly over the {W} "
+                                "ranks, at least 2 rows each")
+            splits.append([("row_wise", W)])
+            continue
         splits.append(candidate_splits(t, topology, kinds, min_column_dim))
         if not splits[-1]:
             raise PlanError(f"table {t.name!r} ({t.rows:,} rows x {t.dim}): no valid {' or '.join(kinds)} "
                             f"sharding on {topology.world_size} ranks")
     try:
-        return _plan_device(tables, splits, model, time_limit_s, restarts)
+        plan = _plan_device(tables, splits, model, time_limit_s, restarts)
     except _NoRoom:
         if not tiers:
             raise
-    return _plan_tiered(tables, splits, model, time_limit_s, restarts)
+        plan = _plan_tiered(tables, splits, model, time_limit_s, restarts)
+    for entry in plan.tables:
+        if entry.name in even:  # W equal shards, one a rank: in rank order they cost and weigh the same
+            entry.ranks = sorted(entry.ranks)
+            if entry.storage:
+                raise PlanError(f"table {entry.name!r}: a dynamic table stays on the device, but the tables fit only "
+                                "with some of its shards in host memory or on SSD (raise --hbm)")
+    return plan
 
 
 def _plan_device(tables: Sequence[TableSpec], splits: list[list[tuple[str, int]]], model: CostModel,
