@@ -155,8 +155,8 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
         DynamicIdsConfig(enabled=True, tables=["C9"]).check_table_names(["C1", "C2"])
     from recstack.exfm.config import load_exfm_config
 
-    with pytest.raises(ConfigError, match="vm.model.dynamic_ids: not supported by recstack exfm run"):
-        load_exfm_config(None, ["vm.model.dynamic_ids.enabled=true"])
+    with pytest.raises(ConfigError, match="fm.model.dynamic_ids: the foundation model takes raw ids"):
+        load_exfm_config(None, ["fm.model.dynamic_ids.enabled=true"])
     from recstack.distributed.dynamic_dist import check_capacities
 
     with pytest.raises(ConfigError, match="model.dynamic_ids.capacity: 101 rows of table 'C1' must split evenly"):
