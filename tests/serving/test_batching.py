@@ -96,3 +96,27 @@ def test_the_vectorised_id_encoder_equals_the_value_by_value_one(shared_artifact
         assert (
             t._ids_by_column([rows[0], {**rows[1], **bad}]) is None
         )  # left to the value-by-value checks
+
+
+def test_requests_that_arrive_in_one_turn_of_the_loop_share_a_call(shared_artifacts) -> None:  # noqa: F811
+    """Under load the server's loop reads many connections in one turn, and their handlers run to the
+    batcher one after the other without waiting for anything: each must not look alone."""
+    model = ServingModel.load(shared_artifacts["models"] / "1")
+    metrics = ServerMetrics()
+    batcher = Batcher(max_batch=64, max_wait_us=0, metrics=metrics)
+
+    async def burst() -> list[np.ndarray]:
+        async def one(i: int) -> np.ndarray:  # its body already received: nothing to wait for
+            batch = model.encode(ROWS[i : i + 1])
+            return (await batcher.score(model, batch, batch.size))[1]
+
+        out = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), 60)
+        await batcher.stop()
+        return list(out)
+
+    probs = asyncio.run(burst())
+    for i, p in enumerate(probs):
+        np.testing.assert_allclose(p, offline(model, ROWS[i : i + 1]), rtol=0, atol=1e-6)
+    samples = {s.name: s.value for s in metrics.batch_requests.collect()[0].samples}
+    assert samples["recstack_batch_requests_sum"] == 8
+    assert samples["recstack_batch_requests_count"] == 1  # all eight in one model call
