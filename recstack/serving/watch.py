@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from recstack.serving.artifact import MANIFEST, ArtifactError, list_versions
+from recstack.serving.compile import DenseCompiler
 from recstack.serving.delta import delta_base
 from recstack.serving.metrics import ServerMetrics
 from recstack.serving.model import ServingModel
@@ -41,6 +42,7 @@ class ModelHolder:
         self.device = device
         self.current: ServingModel | None = None
         self.refused: set[int] = set()
+        self.changed = asyncio.Event()  # set by every switch (what ``compile.DenseCompiler`` follows)
 
     @property
     def version(self) -> int | None:
@@ -50,6 +52,8 @@ class ModelHolder:
         old = self.version
         self.current = model  # one reference assignment: a request reads either the old model or the new one
         self.metrics.version.set(int(model.version))
+        self.metrics.compiled.set(int(model.compiled))
+        self.changed.set()
         arrived = (model.manifest.get("freshness") or {}).get("arrived_at")
         if isinstance(arrived, int | float):  # a published version: how old its newest training data is
             self.metrics.data_arrival.set(arrived)
@@ -96,6 +100,21 @@ class ModelHolder:
         for v in newer[start:]:
             if not is_full[v] and not await self.load(root / str(v), v):
                 self.refused.add(v)
+
+    def compiled(self, model: ServingModel) -> None:
+        """``model`` now runs its compiled dense program."""
+        if model is self.current:
+            self.metrics.compiled.set(1)
+
+    async def follow(self, compiler: DenseCompiler) -> None:
+        """Compile each version served, the newest first (the versions that came and went meanwhile are
+        skipped); runs until cancelled."""
+        while True:
+            await self.changed.wait()
+            self.changed.clear()
+            model = self.current
+            if model is not None and not model.compiled:
+                await compiler.compile(model)
 
     async def watch(self, root: Path, interval_s: float) -> None:
         """Poll ``root`` every ``interval_s`` seconds and switch to each newer version that loads (runs until
