@@ -9,7 +9,9 @@ calls that instead:
 * **no code from the artifact**: the artifact still holds only the graph and its weights (pickle-free, checked
   by ``check_program_pickle_free``); the native code is generated on the serving machine, by its own torch and
   C++ compiler, from that graph;
-* **never in the way**: a version is served by its graph from the moment it loads; the compile runs in a child
+* **never in the way**: a version is served by its graph from the moment it loads; once it has been served
+  ``watch.SETTLE_S`` seconds without a newer one (a trainer publishing every few seconds keeps its versions on
+  their graphs instead of compiling each), the compile runs in a child
   process at a lower priority (``python -m recstack.serving.compile``: it holds none of the server's GIL), and
   the compiled program replaces the graph once it is built, loaded and checked to give the graph's outputs
   (within ``ATOL`` / ``RTOL``) on a probe batch. A failure (no compiler, a timeout, a mismatch) is logged once

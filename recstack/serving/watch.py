@@ -32,6 +32,7 @@ from recstack.serving.metrics import ServerMetrics
 from recstack.serving.model import ServingModel
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn in every worker process
+SETTLE_S = 5.0  # a version is compiled once it has been served this long without a newer one
 
 
 class ModelHolder:
@@ -106,12 +107,18 @@ class ModelHolder:
         if model is self.current:
             self.metrics.compiled.set(1)
 
-    async def follow(self, compiler: DenseCompiler) -> None:
-        """Compile each version served, the newest first (the versions that came and went meanwhile are
-        skipped); runs until cancelled."""
+    async def follow(self, compiler: DenseCompiler, settle_s: float = SETTLE_S) -> None:
+        """Compile each version that stays served ``settle_s`` seconds without a newer one (a trainer publishing
+        every few seconds keeps its versions on their graphs rather than compiling each); runs until
+        cancelled."""
         while True:
             await self.changed.wait()
             self.changed.clear()
+            try:  # a newer version within settle_s starts the wait again
+                await asyncio.wait_for(self.changed.wait(), settle_s)
+                continue
+            except TimeoutError:
+                pass
             model = self.current
             if model is not None and not model.compiled:
                 await compiler.compile(model)
