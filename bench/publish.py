@@ -86,7 +86,9 @@ class Server:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.log = open(log, "wb")  # noqa: SIM115 (closed by stop)
         self.proc = subprocess.Popen([sys.executable, "-m", "recstack", "serve", str(root), "--watch", str(root),
-                                      "--watch-interval", f"{watch_interval:g}", "--port", str(port)], stdout=self.log,
+                                      "--watch-interval", f"{watch_interval:g}", "--port", str(port),
+                                      # the graph: the swap-in times measured before --compile existed
+                                      "--compile", "none"], stdout=self.log,
                                      stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
 

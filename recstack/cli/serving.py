@@ -77,6 +77,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM / SIGINT: not ready, keep answering until nothing is in flight, at most S "
                         "seconds (default 30)")
+    s.add_argument("--compile", choices=["aoti", "none"], default="aoti",
+                   help="aoti (default): compile each served version's dense program with AOTInductor in a child "
+                        "process and switch to it once checked against the graph (faster small batches; needs a "
+                        "C++ compiler, else the graph serves); none: always run the exported graph")
+    s.add_argument("--compile-cache", metavar="DIR", default="",
+                   help="where compiled programs are kept (default ~/.cache/recstack/compiled)")
     s.set_defaults(func=run_serve)
 
 
@@ -84,6 +90,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def run_serve(args: argparse.Namespace) -> None:
     """``recstack serve``: check the flags, load (and verify) the model to serve, run until SIGTERM / SIGINT."""
     from recstack.serving.artifact import MANIFEST, ArtifactError, list_versions
+    from recstack.serving.compile import CompileSpec
     from recstack.serving.model import ServingModel
     from recstack.serving.server import ServeOptions, serve
     from recstack.serving.watch import load_newest
@@ -114,6 +121,7 @@ def run_serve(args: argparse.Namespace) -> None:
         max_rows=args.max_rows or args.max_batch, max_body_bytes=args.max_body_bytes, watch=args.watch,
         watch_interval_s=args.watch_interval, threads=args.threads, body_timeout_s=args.body_timeout,
         drain_timeout_s=args.drain_timeout, model_name=args.model_name,
+        compile=CompileSpec(args.compile, args.compile_cache),
     )
     code = serve(opts, model, args.host, args.port, args.workers)  # --workers N: forked with the model loaded
     if code:

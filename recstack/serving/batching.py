@@ -1,17 +1,20 @@
-"""Adaptive batching: a request that arrives alone is scored at once; requests that arrive while the
-model is busy share its next call, and each gets its own slice back.
+"""Adaptive batching: a request that arrives alone is scored at once; requests that arrive together,
+or while the model is busy, share its next call, and each gets its own slice back.
 
 Every request is validated and encoded on its own before it reaches the batcher (so a bad request
-fails alone and never joins a batch). Then:
+fails alone and never joins a batch). Its handler then queues it, and the batcher decides one turn
+of the event loop later, once every request whose bytes arrived in the same turn has been read and
+queued too (under load the loop reads many connections in one turn, and their handlers run one
+after the other without waiting for anything: deciding at once, each would look alone):
 
-* **alone** (the model is idle, nothing is queued and no other request is being read or encoded):
-  the model runs right away in the event loop's own thread. No timer, no thread hand-off: the cost
-  of a lone request is the model call.
-* **under load**: the request is queued. Whenever the model is idle and something is queued,
-  everything queued (up to ``max_batch`` rows) goes to the model thread as one call (torch releases
-  the GIL, so the event loop keeps reading and encoding requests meanwhile; those queue up and form
-  the next call as soon as this one returns). The batch size thus follows the load with no waiting:
-  one request at a time when requests are sparse, large batches when they pile up.
+* **alone** (one request queued, the model idle, no other request being read or encoded): the model
+  runs right away in the event loop's own thread. No timer, no thread hand-off: the cost of a lone
+  request is the model call and one turn of the loop.
+* **under load**: whenever the model is idle and more is queued, everything queued (up to
+  ``max_batch`` rows) goes to the model thread as one call (torch releases the GIL, so the event
+  loop keeps reading and encoding requests meanwhile; those queue up and form the next call as soon
+  as this one returns). The batch size thus follows the load with no waiting: one request at a time
+  when requests are sparse, large batches when they pile up.
 * ``max_wait_us`` > 0 (off by default) lets a batch wait up to that long for requests that have been
   received but are still being read or encoded; it never delays a request that is alone.
 
@@ -65,6 +68,7 @@ class Batcher:
         self._busy = False  # a model call is running (inline or in the model thread)
         self._arriving = 0  # requests received and still being read or encoded
         self._timer: asyncio.TimerHandle | None = None
+        self._turn: asyncio.Handle | None = None  # the decision scheduled for the loop's next turn
         # One thread: one batch at a time (its torch threads parallelise inside a call).
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="recstack-model")
 
@@ -82,19 +86,36 @@ class Batcher:
 
     async def score(self, model: ServingModel, batch: EncodedBatch, rows: int) -> Scores:
         """One encoded request [rows] -> its (logits [rows], probabilities [rows])."""
-        if not self._busy and not self._queue and not self._arriving:
-            self._busy = True  # alone: score it here and now
-            try:
-                out = _score(model, [batch])
-            finally:
-                self._busy = False
-            self.metrics.observe_batch(rows, 1)
-            return out
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._queue.append(_Pending(model, batch, rows, future))
         self._queued_rows += rows
-        self._kick()
+        if self._turn is None and not self._busy:
+            # Decide next turn: the handlers of requests that arrived with this one queue theirs first.
+            self._turn = loop.call_soon(self._next_turn)
         return await future
+
+    def _next_turn(self) -> None:
+        self._turn = None
+        if self._busy or not self._queue:
+            return
+        if len(self._queue) == 1 and not self._arriving:  # alone: here and now, no thread hand-off
+            p = self._queue.popleft()
+            self._queued_rows -= p.rows
+            self._busy = True
+            try:
+                out = _score(p.model, [p.batch])
+            except Exception as e:
+                if not p.future.done():
+                    p.future.set_exception(e)
+            else:
+                self.metrics.observe_batch(p.rows, 1)
+                if not p.future.done():  # not cancelled meanwhile
+                    p.future.set_result(out)
+            finally:
+                self._busy = False
+            return
+        self._kick()
 
     def _kick(self) -> None:
         """Start a model call on what is queued, if the model is idle (or arm the ``max_wait_us``
@@ -173,8 +194,9 @@ class Batcher:
         self._kick()
 
     async def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        for handle in (self._timer, self._turn):
+            if handle is not None:
+                handle.cancel()
         while self._queue:  # nothing should be left: the server drained its requests first
             p = self._queue.popleft()
             if not p.future.done():

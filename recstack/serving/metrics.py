@@ -64,6 +64,9 @@ class ServerMetrics:
         self.freshness = Gauge("recstack_model_freshness_seconds", "Seconds from the arrival of the newest "
                                "partition the served version was trained on to its swap-in", registry=r,
                                multiprocess_mode="liveall" if self.shared else "all")
+        self.compiled = Gauge("recstack_model_compiled", "1 when the served version runs its compiled dense "
+                              "program (recstack serve --compile), 0 while it runs its graph", registry=r,
+                              multiprocess_mode="liveall" if self.shared else "all")
         self.swaps = Counter("recstack_model_swaps", "Newer model versions switched to", registry=r)
         self.refused = Counter("recstack_model_refused", "Model versions refused (failed to load or to verify)",
                                registry=r)

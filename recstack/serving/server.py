@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from recstack.serving.batching import Batcher
+from recstack.serving.compile import CompileSpec, DenseCompiler
 from recstack.serving.metrics import ServerMetrics
 from recstack.serving.model import RequestError, ServingModel
 from recstack.serving.process import DrainingServer, run_server, run_workers
@@ -69,6 +70,7 @@ class ServeOptions:
     body_timeout_s: float = 10.0
     drain_timeout_s: float = 30.0
     model_name: str = "recstack"  # the model's name in the Open Inference Protocol's routes (``v2``)
+    compile: CompileSpec = field(default_factory=CompileSpec)  # the dense program as native code (``compile``)
 
 
 class ScoringService:
@@ -96,6 +98,9 @@ class ScoringService:
         tasks = []
         if self.opts.watch:
             tasks.append(asyncio.create_task(self.holder.watch(Path(self.opts.watch), self.opts.watch_interval_s)))
+        if self.opts.compile.mode == "aoti":
+            compiler = DenseCompiler(self.opts.compile, self.holder.compiled)
+            tasks.append(asyncio.create_task(self.holder.follow(compiler)))
         try:
             yield
         finally:  # uvicorn has answered every request in flight by now

@@ -26,11 +26,13 @@ import time
 from pathlib import Path
 
 from recstack.serving.artifact import MANIFEST, ArtifactError, list_versions
+from recstack.serving.compile import DenseCompiler
 from recstack.serving.delta import delta_base
 from recstack.serving.metrics import ServerMetrics
 from recstack.serving.model import ServingModel
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn in every worker process
+SETTLE_S = 5.0  # a version is compiled once it has been served this long without a newer one
 
 
 class ModelHolder:
@@ -41,6 +43,7 @@ class ModelHolder:
         self.device = device
         self.current: ServingModel | None = None
         self.refused: set[int] = set()
+        self.changed = asyncio.Event()  # set by every switch (what ``compile.DenseCompiler`` follows)
 
     @property
     def version(self) -> int | None:
@@ -50,6 +53,8 @@ class ModelHolder:
         old = self.version
         self.current = model  # one reference assignment: a request reads either the old model or the new one
         self.metrics.version.set(int(model.version))
+        self.metrics.compiled.set(int(model.compiled))
+        self.changed.set()
         arrived = (model.manifest.get("freshness") or {}).get("arrived_at")
         if isinstance(arrived, int | float):  # a published version: how old its newest training data is
             self.metrics.data_arrival.set(arrived)
@@ -96,6 +101,27 @@ class ModelHolder:
         for v in newer[start:]:
             if not is_full[v] and not await self.load(root / str(v), v):
                 self.refused.add(v)
+
+    def compiled(self, model: ServingModel) -> None:
+        """``model`` now runs its compiled dense program."""
+        if model is self.current:
+            self.metrics.compiled.set(1)
+
+    async def follow(self, compiler: DenseCompiler, settle_s: float = SETTLE_S) -> None:
+        """Compile each version that stays served ``settle_s`` seconds without a newer one (a trainer publishing
+        every few seconds keeps its versions on their graphs rather than compiling each); runs until
+        cancelled."""
+        while True:
+            await self.changed.wait()
+            self.changed.clear()
+            try:  # a newer version within settle_s starts the wait again
+                await asyncio.wait_for(self.changed.wait(), settle_s)
+                continue
+            except TimeoutError:
+                pass
+            model = self.current
+            if model is not None and not model.compiled:
+                await compiler.compile(model)
 
     async def watch(self, root: Path, interval_s: float) -> None:
         """Poll ``root`` every ``interval_s`` seconds and switch to each newer version that loads (runs until

@@ -104,6 +104,8 @@ class ServerProcess:
         self.log = log
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self._log = open(log, "wb")  # noqa: SIM115 (closed by stop)
+        if "--compile" not in args:  # the graph: compiling has its own tests (test_compile.py)
+            args = [*args, "--compile", "none"]
         self.proc = subprocess.Popen([sys.executable, "-m", "recstack", "serve", *args, "--port", str(self.port)],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.client = httpx.Client(base_url=self.url, timeout=30)

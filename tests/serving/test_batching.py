@@ -96,3 +96,51 @@ def test_the_vectorised_id_encoder_equals_the_value_by_value_one(shared_artifact
         assert (
             t._ids_by_column([rows[0], {**rows[1], **bad}]) is None
         )  # left to the value-by-value checks
+
+
+def test_requests_that_arrive_in_one_turn_of_the_loop_share_a_call(shared_artifacts) -> None:  # noqa: F811
+    """Under load the server's loop reads many connections in one turn, and their handlers run to the
+    batcher one after the other without waiting for anything: each must not look alone."""
+    model = ServingModel.load(shared_artifacts["models"] / "1")
+    metrics = ServerMetrics()
+    batcher = Batcher(max_batch=64, max_wait_us=0, metrics=metrics)
+
+    async def burst() -> list[np.ndarray]:
+        async def one(i: int) -> np.ndarray:  # its body already received: nothing to wait for
+            batch = model.encode(ROWS[i : i + 1])
+            return (await batcher.score(model, batch, batch.size))[1]
+
+        out = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), 60)
+        await batcher.stop()
+        return list(out)
+
+    probs = asyncio.run(burst())
+    for i, p in enumerate(probs):
+        np.testing.assert_allclose(p, offline(model, ROWS[i : i + 1]), rtol=0, atol=1e-6)
+    samples = {s.name: s.value for s in metrics.batch_requests.collect()[0].samples}
+    assert samples["recstack_batch_requests_sum"] == 8
+    assert samples["recstack_batch_requests_count"] == 1  # all eight in one model call
+
+
+def test_the_user_encoded_once_equals_the_merged_rows(shared_artifacts) -> None:  # noqa: F811
+    """``encode_candidates`` encodes the shared fields once: the same ids, dense values and out-of-vocabulary
+    counts as encoding every candidate merged with the user, raw and encoded, whichever fields are shared."""
+    model = ServingModel.load(shared_artifacts["models"] / "1")
+    rows = [dict(r) for r in ROWS[:6]]
+    rows[0]["C3"], rows[2]["C20"] = "abcdef12", "0badcafe"  # out of vocabulary: a user's and a candidate's
+    enc = model.encode(rows)
+    ids = enc.sparse.ids.view(len(model.feature_names), len(rows))
+    dense_names = model.manifest["model"]["dense_features"]
+    encoded = [{**{n: float(enc.dense[i, j]) for j, n in enumerate(dense_names)},
+                **{n: int(ids[f, i]) for f, n in enumerate(model.feature_names)}} for i in range(len(rows))]
+    for form, source in (("raw", rows), ("ids", encoded)):
+        for shared_names in (["I1", "C3"], [k for k in source[0] if k[1:].isdigit() and int(k[1:]) <= 13]):
+            user = {k: source[0][k] for k in shared_names}
+            cands = [{k: v for k, v in r.items() if k not in user} for r in source]
+            assert model.transforms.encode_shared(user, cands, form == "ids") is not None  # the fast path
+            got = model.encode_candidates(user, cands, ids=form == "ids")
+            want = model.encode([{**user, **c} for c in cands], ids=form == "ids")
+            torch.testing.assert_close(got.dense, want.dense, rtol=0, atol=0)
+            torch.testing.assert_close(got.sparse.ids, want.sparse.ids, rtol=0, atol=0)
+            torch.testing.assert_close(got.sparse.offsets, want.sparse.offsets, rtol=0, atol=0)
+            assert {k: v for k, v in got.oov_counts.items() if v} == {k: v for k, v in want.oov_counts.items() if v}
