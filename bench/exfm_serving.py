@@ -97,7 +97,9 @@ def run(quick: bool, arm: str, staleness: int, window_s: float, connections: int
         body = request_body(data, 0, rows)
         port = free_port()
         server = start([sys.executable, "-m", "recstack", "serve", str(root), "--watch", str(root),
-                        "--watch-interval", "0.5", "--port", str(port)], port, body, work / "serve.log")
+                        "--watch-interval", "0.5", "--port", str(port),
+                        "--compile", "none"],  # the graph while training and after alike: one program compared
+                       port, body, work / "serve.log")
         during: list[dict[str, Any]] = []
         while exfm.poll() is None:
             ts = time.monotonic()
