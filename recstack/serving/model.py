@@ -342,6 +342,6 @@ class ServingModel:
         sparse = batch.sparse.to(self.device)
         if self.qr is not None:
             sparse = self.qr.split(sparse)
-        pooled = self.collection(sparse)
+        pooled = self.collection(sparse, batch.one_id_per_bag and self.qr is None)  # (QR splits the bags)
         args = (pooled, batch.dense.to(self.device)) if self.num_dense else (pooled,)
         return self._dense(*args).float().cpu()

@@ -201,11 +201,19 @@ class QuantizedEmbeddingCollection:
         self.feature_group = torch.tensor(feature_group, dtype=torch.int64, device=device)
         self.feature_offset = torch.tensor(feature_offset, dtype=torch.int64, device=device)
 
-    def __call__(self, sparse: SparseFeatures) -> torch.Tensor:
+    def __call__(self, sparse: SparseFeatures, one_id_per_bag: bool = False) -> torch.Tensor:
+        """``one_id_per_bag``: every bag holds exactly one id (offsets 0..F*B), so a bag's sum is its row (times
+        its weight): the rows are gathered in [F, B] order and no bags are summed."""
         if sparse.num_features != self.num_features:
             raise ValueError(f"got {sparse.num_features} sparse features, the collection has {self.num_features}")
         b, d, n = sparse.batch_size, self.embedding_dim, sparse.ids.numel()
         device = self.feature_offset.device
+        if one_id_per_bag and len(self.groups) == 1 and not self.flat:
+            ids = sparse.ids.to(device).view(self.num_features, b) + self.feature_offset[:, None]  # [F, B]
+            rows = self.groups[0].lookup(ids.view(-1))  # [F * B, D]
+            if sparse.weights is not None:
+                rows = rows * sparse.weights.to(device)[:, None]
+            return rows.view(self.num_features, b, d).transpose(0, 1).contiguous()  # [B, F, D]
         per_feature = sparse.ids_per_feature.to(device)
         ids = sparse.ids.to(device) + self.feature_offset.repeat_interleave(per_feature, output_size=n)
         if len(self.groups) == 1:

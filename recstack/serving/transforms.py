@@ -86,6 +86,7 @@ def _number(v: Any) -> bool:
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_NUMBER, _INT = {int, float}, {int}  # the exact types of encoded values (a bool is an int subclass: not one)
 
 
 def _float32(v: Any, field: str, row: int) -> None:
@@ -208,10 +209,10 @@ class FeatureTransforms:
             return None
         n, d, f = len(rows), len(self.dense_names), len(self.feature_names)
         values = [r[name] for r in rows for name in self.dense_names]
-        if not all(type(v) is float or type(v) is int for v in values):  # noqa: E721 (no bool)
+        if not set(map(type, values)) <= _NUMBER:  # exact types, checked in C: no bool, no str
             return None
         keys = [r[name] for r in rows for name in self.feature_names]
-        if not all(type(v) is int for v in keys):  # noqa: E721
+        if not set(map(type, keys)) <= _INT:
             return None
         try:
             dense = np.array(values, np.float64).reshape(n, d)  # [B, d]

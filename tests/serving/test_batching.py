@@ -144,3 +144,16 @@ def test_the_user_encoded_once_equals_the_merged_rows(shared_artifacts) -> None:
             torch.testing.assert_close(got.sparse.ids, want.sparse.ids, rtol=0, atol=0)
             torch.testing.assert_close(got.sparse.offsets, want.sparse.offsets, rtol=0, atol=0)
             assert {k: v for k, v in got.oov_counts.items() if v} == {k: v for k, v in want.oov_counts.items() if v}
+
+
+def test_one_id_a_bag_gathers_what_the_bags_sum(shared_artifacts) -> None:  # noqa: F811
+    """The collection's path for batches of one id a bag (rows gathered, no bags summed) gives the pooled
+    embeddings of the general path, bit for bit."""
+    model = ServingModel.load(shared_artifacts["models"] / "1")
+    batch = model.encode(ROWS)
+    assert batch.one_id_per_bag
+    with torch.inference_mode():
+        fast = model.collection(batch.sparse, one_id_per_bag=True)
+        general = model.collection(batch.sparse, one_id_per_bag=False)
+    assert fast.shape == (len(ROWS), len(model.feature_names), model.collection.embedding_dim)
+    torch.testing.assert_close(fast, general, rtol=0, atol=0)
