@@ -76,8 +76,7 @@ def churn(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # Capacity 160 rows of 20 bytes (4 weights + an accumulator) per table. 1600 bytes of device memory keep no
-# table there: each gets a 32-row cache (the minimum, one set), C1's and C2's rows in host memory (6400 bytes),
-# C3's in a file.
+# table there: each gets a 26-row cache, C1's and C2's rows in host memory (6400 bytes), C3's in a file.
 DYN = ["model.embedding_dim=4", "model.bottom_mlp=[8, 4]", "model.top_mlp=[8, 1]", "train.batch_size=128",
        "train.progress=false", "train.threads=1", "model.dynamic_ids.enabled=true",
        "model.dynamic_ids.capacity=160", "model.dynamic_ids.admit_after=2", 'optim.sparse="rowwise_adagrad"',
@@ -115,7 +114,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 def test_dynamic_ids_in_cached_tiers_match_all_in_memory(churn: Path, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture) -> None:
-    """Id maps evicting (rows reused and reset) over host- and ssd-cached tables whose 32-row caches hold fewer
+    """Id maps evicting (rows reused and reset) over host- and ssd-cached tables whose 26-row caches hold fewer
     rows than the maps use (cache evictions): the same losses, evaluations, id map counters and final tables as
     with every row in memory."""
     extra = ["train.max_steps=45", "train.log_every=5"]
@@ -127,7 +126,7 @@ def test_dynamic_ids_in_cached_tiers_match_all_in_memory(churn: Path, tmp_path: 
     assert "host-cached" in plan and "ssd-cached" in plan, plan
     run = run_t.train()
     assert isinstance(run_t.model.embeddings, TieredEmbeddingCollection)
-    assert ref["dynamic_ids/evictions"] > 0 and ref["dynamic_ids/rows_in_use"] > 3 * 32
+    assert ref["dynamic_ids/evictions"] > 0 and ref["dynamic_ids/rows_in_use"] > 3 * 26
     keys = [*METRICS, *(k for k in ref if k.startswith("dynamic_ids/"))]
     assert {k: run[k] for k in keys} == {k: ref[k] for k in keys}
     _same(_tables(run_t), _tables(ref_t))
