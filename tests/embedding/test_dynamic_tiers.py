@@ -179,3 +179,34 @@ def test_sigkill_then_resume_ssd_cached_dynamic_matches_uninterrupted(churn: Pat
     a, b = (json.loads((tmp_path / r / "summary.json").read_text()) for r in ("ref", "run"))
     keys = [*METRICS, *(k for k in a if k.startswith("dynamic_ids/"))]
     assert a["dynamic_ids/evictions"] > 0 and {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+def test_raw_stream_in_tiers_matches_all_in_memory(shared_data: Path, tmp_path: Path) -> None:
+    """A raw Criteo stream (every table dynamic) over 26 tables of 200 rows, 13 host- and 12 ssd-cached with 36-row
+    caches: the progressive metrics and the final tables of the stream run with every row in memory."""
+    from recstack.data.stream import DirectoryStream, partition_reader
+    from recstack.training.stream import StreamTrainer
+
+    lines = (shared_data / "criteo_kaggle_sample.tsv").read_text().splitlines(keepends=True)
+    (tmp_path / "in").mkdir()
+    for i in range(2):
+        (tmp_path / "in" / f"part-{i:03d}").write_text("".join(lines[i * 400 : (i + 1) * 400]))
+    opts = ["model.embedding_dim=8", "model.bottom_mlp=[32, 8]", "model.top_mlp=[32, 1]", "train.batch_size=64",
+            "train.threads=1", "train.progress=false", 'optim.sparse="rowwise_adagrad"',
+            "model.dynamic_ids.enabled=true", "model.dynamic_ids.capacity=200"]
+    tiers = ['memory.device="40KB"', 'memory.host="100KB"', f'memory.ssd_dir="{tmp_path / "ssd"}"']
+    runs, summaries = [], []
+    for name, extra in (("ref", []), ("run", tiers)):
+        t = StreamTrainer(load_config(None, [*opts, *extra]), DirectoryStream(tmp_path / "in", idle_s=0),
+                          partition_reader(None, 0), tmp_path / name)
+        summaries.append(t.train())
+        runs.append(t)
+    ref, run = summaries
+    emb = runs[1].model.embeddings
+    assert isinstance(emb, TieredEmbeddingCollection) and not isinstance(runs[0].model.embeddings, type(emb))
+    assert sorted(p.tier for p in emb.placements) == ["device"] + ["host-cached"] * 13 + ["ssd-cached"] * 12
+    keys = ["steps", "progressive_auc", "progressive_logloss", *(k for k in ref if k.startswith("dynamic_ids/"))]
+    assert ref["dynamic_ids/evictions"] > 0 and {k: run[k] for k in keys} == {k: ref[k] for k in keys}
+    _same(_tables(runs[1]), _tables(runs[0]))
+    for t in runs:
+        t.close()
