@@ -116,7 +116,7 @@ def test_dynamic_ids_in_cached_tiers_match_all_in_memory(churn: Path, tmp_path: 
                                                          capsys: pytest.CaptureFixture) -> None:
     """Id maps evicting (rows reused and reset) over host- and ssd-cached tables whose 26-row caches hold fewer
     rows than the maps use (cache evictions): the same losses, evaluations, id map counters and final tables as
-    with every row in memory."""
+    with every row in memory; `recstack eval` of its checkpoint directory gives the same AUC."""
     extra = ["train.max_steps=45", "train.log_every=5"]
     ref_t = _trainer(churn, tmp_path / "ref", extra)
     ref = ref_t.train()
@@ -138,6 +138,11 @@ def test_dynamic_ids_in_cached_tiers_match_all_in_memory(churn: Path, tmp_path: 
     assert run_t.model.embeddings.counters.totals()["evictions"] > 0
     ref_t.close()
     run_t.close()
+    from recstack.cli.main import main
+
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 0  # the tiered checkpoint's maps and tables
+    assert json.loads(capsys.readouterr().out)["auc"] == ref["auc"]
 
 
 def test_stopped_and_resumed_in_tiers_matches_all_in_memory(churn: Path, tmp_path: Path, stop_at) -> None:
