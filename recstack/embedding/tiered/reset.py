@@ -46,10 +46,10 @@ class RowResetMixin:
         d = self.embedding_dim
         if tuple(values.shape) != (rows.numel(), d):
             raise ValueError(f"reset_rows: values of shape {tuple(values.shape)} for {rows.numel()} rows of dim {d}")
-        records = values.detach().to("cpu", torch.float32)
-        if self.width > d:  # the record's accumulator: the state of a row never updated
-            acc = self.optimizer.state_parts[0].initial
-            records = torch.cat([records, torch.full((rows.numel(), 1), acc)], 1)
+        k = rows.numel()
+        # a record: the weights, then the state of a row never updated (``state_parts``, in the stores' order)
+        parts = [torch.full((k, d if p.per_column else 1), p.initial) for p in self.optimizer.state_parts]
+        records = torch.cat([values.detach().to("cpu", torch.float32), *parts], 1)
         self._wait_prefetch()  # the prefetch thread must not move rows (or the cache's flags) meanwhile
         if i not in self.cached_tables:
             self._scatter(rows + self._offsets[i], records)
@@ -61,7 +61,7 @@ class RowResetMixin:
         resident = slots >= 0
         if bool(resident.any()):
             self._scatter(slots[resident] + self._cache_base, records[resident])
-        if self._staged:  # staged for a batch still out: written back at its release, so the copy too
+        if self._staged:  # staged rows are written back when released (the next forward): their copy too
             found, staged_rows = self._find_staged(keys)
             if bool(found.any()):
                 self._scatter(staged_rows[found], records[found])
