@@ -76,9 +76,6 @@ def validate(cfg: Config, *, check_device: bool = True) -> None:
             refuse_tiers(sparse_optimizer_config(cfg.optim))
         except ConfigError as e:
             raise ConfigError(f"{e} (memory.device={cfg.memory.device!r}, memory.host={cfg.memory.host!r})") from e
-    if cfg.model.dynamic_ids.enabled and memory_budgets_set(cfg.memory):
-        raise ConfigError("model.dynamic_ids: not supported with memory tiers (memory.device / memory.host budgets) "
-                          "yet; a dynamic table is sized by model.dynamic_ids.capacity, keep it in memory")
     if cfg.optim.plateau_patience and not cfg.train.eval_every:
         raise ConfigError("optim.plateau_patience: needs train.eval_every > 0 (the metric is checked at each "
                           "evaluation)")

@@ -7,7 +7,7 @@ order:
 
 1. the quotient-remainder split of the ids (``DLRM.split_batch``; a no-op without QR tables);
 2. the cached tiers' prefetch hook (``EmbeddingCollection.next_batch_hook``), so their rows come in
-   early;
+   early (not with dynamic id tables: their rows are known only after the remap in the training thread);
 3. on a GPU: the batch is copied into pinned memory and on to the device with ``non_blocking``
    copies on a stream of the pipeline's own (the staging stream), so the copy overlaps the step
    before it;
@@ -73,7 +73,10 @@ class InputPipeline:
             )
         self.model, self.device, self.pipelined, self.dynamic = model, device, pipelined, dynamic
         self._sharded = emb if isinstance(emb, ShardedEmbeddingCollection) else None
-        self._hook = emb.next_batch_hook()
+        # The cached tiers' prefetch reads the ids of a batch in the loader's thread; a dynamic table's ids are
+        # raw there, its rows known only once the remap has run in this thread, just before the step (the rows
+        # are then fetched at the batch's forward, after the remap's resets: ``embedding/tiered/reset.py``).
+        self._hook = emb.next_batch_hook() if dynamic is None else None
         # a GPU: batches are staged through pinned memory on a stream of their own
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # appended by the loader's thread, taken by the training thread

@@ -57,7 +57,7 @@ class DynamicIds:
                  seed: int = 0) -> None:
         if collection is not None and not collection.resets_rows:
             raise ConfigError(f"model.dynamic_ids: the embedding collection {type(collection).__name__} cannot "
-                              "re-initialise rows (memory tiers); not supported with dynamic ids yet")
+                              "re-initialise rows; not supported with dynamic ids")
         self.cfg, self.seed, self.collection = cfg, seed, collection
         self.features: dict[str, list[int]] = {}
         for f, name in enumerate(feature_tables):

@@ -1,7 +1,8 @@
 """Dynamic id tables under `torchrun -m recstack train` (2 ranks, gloo): the id maps split by id hash over the
 tables' row shards. Under capacity the run is the single-process run on the same global batches, and its export
 serves raw ids as the single-process export does; under eviction each rank stays within its share of the
-capacity, and a worker killed mid-run resumes from the sharded checkpoint to the uninterrupted run's end."""
+capacity, and a worker killed mid-run resumes from the sharded checkpoint to the uninterrupted run's end; with the
+row shards in cached tiers too."""
 
 from __future__ import annotations
 
@@ -90,6 +91,28 @@ def test_eviction_within_each_ranks_capacity_and_resume(churn: Path, tmp_path: P
     assert {k: resumed[k] for k in keys} == {k: ref[k] for k in keys}
     # one process reads the merged maps of the sharded checkpoint
     assert main(["eval", "--checkpoint", str(out)]) == 0
+
+
+def test_cached_tier_shards_match_in_memory_and_resume(churn: Path, tmp_path: Path) -> None:
+    """Each rank's row shards of the dynamic tables in host- and ssd-cached tiers with 6-row caches over their 30
+    rows (rows reused by the maps are reset in the tiers): a worker SIGKILLed after the first checkpoint, restarted
+    by torchrun, ends exactly where the same run with every row in memory ends."""
+    opts = [*COMMON, "train.batch_size=64", "model.dynamic_ids.capacity=60", 'model.dynamic_ids.eviction="lfu"',
+            "train.max_steps=40", "train.checkpoint_every=10"]
+    ref = cli_train(tmp_path / "ref", churn, opts, launcher=TWO)
+    out = tmp_path / "run"
+    tiers = ['memory.device="400"', 'memory.host="600"', f'memory.ssd_dir="{tmp_path / "ssd"}"']
+    agent = kill_after_checkpoints(train_args(out, churn, [*opts, *tiers]), out / "checkpoints", 1,
+                                   launcher=torchrun(2, "--max-restarts", "1"), worker=True, timeout=200)
+    _, err = agent.communicate(timeout=300)
+    assert agent.returncode == 0, err[-3000:]
+    assert "failed (exitcode: " in err, err[-3000:]  # the group failed, was started again and resumed
+    run = json.loads((out / "summary.json").read_text())
+    keys = ["auc", "logloss", "train_samples", *(k for k in ref if k.startswith("dynamic_ids/"))]
+    assert ref["dynamic_ids/evictions"] > 0 and {k: run[k] for k in keys} == {k: ref[k] for k in keys}
+    logs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # cached tiers, missing
+    assert sum(x["cache_requests"] - x["cache_hits"] for x in logs if x["kind"] == "train") > 0
+    assert sorted(p.name for p in (tmp_path / "ssd").iterdir()) == ["rank_0", "rank_1"]
 
 
 def test_unsupported_combinations_stop_with_the_key(churn: Path, tmp_path: Path) -> None:

@@ -149,8 +149,7 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
             load_config(None, ["model.dynamic_ids.enabled=true", f"model.dynamic_ids.{option}"])
     with pytest.raises(ConfigError, match="model.dynamic_ids: not supported with quotient"):
         load_config(None, ["model.dynamic_ids.enabled=true", "model.qr_collisions=4"])
-    with pytest.raises(ConfigError, match="model.dynamic_ids: not supported with memory tiers"):
-        load_config(None, ["model.dynamic_ids.enabled=true", 'memory.device="1MB"'])
+    assert load_config(None, ["model.dynamic_ids.enabled=true", 'memory.device="1MB"']).memory.device == "1MB"
     with pytest.raises(ConfigError, match="model.dynamic_ids.tables: the data has no table 'C9'"):
         DynamicIdsConfig(enabled=True, tables=["C9"]).check_table_names(["C1", "C2"])
     from recstack.exfm.config import load_exfm_config

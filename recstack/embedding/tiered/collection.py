@@ -19,7 +19,8 @@ A training batch's rows are pinned (never evicted) until its backward has applie
 announces batches (``next_batch_hook``, called by the data loader's thread as it prepares them), the next
 batch's rows are fetched in a background thread while the current batch computes; only unpinned slots are
 evicted, and rows the current batch staged are left for the next forward pass, so prefetching never changes a
-result. Checkpoints and whole-table access are in ``tiered_files``.
+result. Checkpoints and whole-table access are in ``files.py``; rows given to new ids (dynamic id tables,
+``reset_rows``) in ``reset.py``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from recstack.embedding.fused import TableInit, _FusedLookup
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
 from recstack.embedding.tiered.cache import POLICIES, CacheCounters, SetAssociativeCache
 from recstack.embedding.tiered.files import CHUNK_ROWS, TableFilesMixin
+from recstack.embedding.tiered.reset import RowResetMixin
 from recstack.embedding.tiered.store import (
     HostStore,
     RowStore,
@@ -113,7 +115,7 @@ def refuse_tiers(optimizer: SparseOptimizerConfig) -> None:
                           'steps every row each step; use "touched" there, or hold the tables in memory')
 
 
-class TieredEmbeddingCollection(TableFilesMixin, EmbeddingCollection):
+class TieredEmbeddingCollection(TableFilesMixin, RowResetMixin, EmbeddingCollection):
     """Pooled lookups [B, F, D] over tables placed on device, host-cached or ssd-cached tiers."""
 
     stores_rows_in_files = True
