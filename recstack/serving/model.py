@@ -269,16 +269,15 @@ class ServingModel:
             raise RequestError("shared features must be an object", "shared")
         if not isinstance(candidates, list) or not candidates:
             raise RequestError("expected a non-empty list of candidates", "candidates")
+        rows = []
         for i, c in enumerate(candidates):
             if not isinstance(c, dict):
                 raise RequestError("a candidate must be an object", None, i)
             both = shared.keys() & c.keys()
             if both:
                 raise RequestError("given both in shared and in a candidate", sorted(both)[0], i)
-        once = self.transforms.encode_shared(shared, candidates, ids)
-        if once is not None:
-            return self._batch(*once)
-        return self.encode([{**shared, **c} for c in candidates], ids)
+            rows.append({**shared, **c})
+        return self.encode(rows, ids)
 
     def _batch(self, dense: np.ndarray, bags: Bags, oov: dict[str, int]) -> EncodedBatch:
         """Per-feature bags -> feature-major SparseFeatures with ids capped (modulo, as the loader does) and

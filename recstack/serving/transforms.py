@@ -156,40 +156,6 @@ class FeatureTransforms:
                     raise RequestError("missing", k, i)
                 _finite(r[k], k, i)
 
-    # ---------------------------------------------------------------------------------------- candidates
-    def encode_shared(self, shared: dict[str, Any], candidates: list[dict[str, Any]], ids: bool
-                      ) -> tuple[np.ndarray, Bags, dict[str, int]] | None:
-        """One user and B candidates with the user's values encoded once, not once a candidate: the shared
-        fields go through the encoder as one row, the candidates' own fields as B rows (the other fields
-        filled with a value valid for every field: missing in raw Criteo, 0 for encoded ids), and the columns
-        are put together. -> what ``encode`` gives for the merged rows, or None where this does not apply
-        (schema rows, whose fields may not be missing; candidates with different fields; multi-hot bags),
-        and the merged rows are encoded instead."""
-        raw_criteo = not ids and self.kind == "criteo"
-        if not (ids or raw_criteo) or not shared:
-            return None
-        if any(f["multi_hot"] or f["weighted"] for f in self.features):
-            return None
-        own = candidates[0].keys()
-        if any(c.keys() != own for c in candidates):
-            return None
-        dense_fields, id_fields = (DENSE_NAMES, SPARSE_NAMES) if raw_criteo else (self.dense_names,
-                                                                                  self.feature_names)
-        fill = None if raw_criteo else 0
-        encode = self.encode_ids if ids else self.encode_raw
-        d1, b1, oov1 = encode([{**shared, **dict.fromkeys(own, fill)}])  # [1, d], one id a feature
-        dn, bn, oovn = encode([{**dict.fromkeys(shared, fill), **c} for c in candidates])  # [B, d]
-        n = len(candidates)
-        for j, name in enumerate(dense_fields):
-            if name in shared:
-                dn[:, j] = d1[0, j]
-        bags = [(ln, np.repeat(b1[k][1], n), None) if name in shared else (ln, i, w)
-                for k, (name, (ln, i, w)) in enumerate(zip(id_fields, bn, strict=True))]
-        # A missing value is never out of vocabulary: the fillers count nothing; the user's values count once
-        # a candidate, as in the merged rows.
-        oov = {k: oovn.get(k, 0) + n * oov1.get(k, 0) for k in oovn.keys() | oov1.keys()}
-        return dn, bags, oov
-
     # ---------------------------------------------------------------------------------------- encoded
     def encode_ids(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
         """Encoded rows: dense names -> numbers, sparse names -> an id, a list of ids (multi-hot), or for a

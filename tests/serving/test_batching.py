@@ -122,30 +122,6 @@ def test_requests_that_arrive_in_one_turn_of_the_loop_share_a_call(shared_artifa
     assert samples["recstack_batch_requests_count"] == 1  # all eight in one model call
 
 
-def test_the_user_encoded_once_equals_the_merged_rows(shared_artifacts) -> None:  # noqa: F811
-    """``encode_candidates`` encodes the shared fields once: the same ids, dense values and out-of-vocabulary
-    counts as encoding every candidate merged with the user, raw and encoded, whichever fields are shared."""
-    model = ServingModel.load(shared_artifacts["models"] / "1")
-    rows = [dict(r) for r in ROWS[:6]]
-    rows[0]["C3"], rows[2]["C20"] = "abcdef12", "0badcafe"  # out of vocabulary: a user's and a candidate's
-    enc = model.encode(rows)
-    ids = enc.sparse.ids.view(len(model.feature_names), len(rows))
-    dense_names = model.manifest["model"]["dense_features"]
-    encoded = [{**{n: float(enc.dense[i, j]) for j, n in enumerate(dense_names)},
-                **{n: int(ids[f, i]) for f, n in enumerate(model.feature_names)}} for i in range(len(rows))]
-    for form, source in (("raw", rows), ("ids", encoded)):
-        for shared_names in (["I1", "C3"], [k for k in source[0] if k[1:].isdigit() and int(k[1:]) <= 13]):
-            user = {k: source[0][k] for k in shared_names}
-            cands = [{k: v for k, v in r.items() if k not in user} for r in source]
-            assert model.transforms.encode_shared(user, cands, form == "ids") is not None  # the fast path
-            got = model.encode_candidates(user, cands, ids=form == "ids")
-            want = model.encode([{**user, **c} for c in cands], ids=form == "ids")
-            torch.testing.assert_close(got.dense, want.dense, rtol=0, atol=0)
-            torch.testing.assert_close(got.sparse.ids, want.sparse.ids, rtol=0, atol=0)
-            torch.testing.assert_close(got.sparse.offsets, want.sparse.offsets, rtol=0, atol=0)
-            assert {k: v for k, v in got.oov_counts.items() if v} == {k: v for k, v in want.oov_counts.items() if v}
-
-
 def test_one_id_a_bag_gathers_what_the_bags_sum(shared_artifacts) -> None:  # noqa: F811
     """The collection's path for batches of one id a bag (rows gathered, no bags summed) gives the pooled
     embeddings of the general path, bit for bit."""
