@@ -21,7 +21,10 @@ class ModelConfig:
     zeroes each hidden activation with that probability in training (after the ReLU; identity in eval).
     Both off by default, and then the MLPs are exactly today's (the fused training step, same numerics).
     ``bottom_dropout`` >= 0 gives the bottom MLP its own rate (FuxiCTR DLRM's ``bottom_mlp_dropout`` beside
-    ``top_mlp_dropout``); -1 (default) uses ``dropout``.
+    ``top_mlp_dropout``); -1 (default) uses ``dropout``. ``mlp_bias_init``: every MLP layer's bias starts at
+    N(0, 1/fan_out) (``normal``, the DLRM reference; default) or at 0 (``zero``, FuxiCTR's reset_parameters; the
+    weights are the same values either way). It matters most for the top MLP's last layer: ``normal`` gives the
+    logit a starting offset drawn from N(0, 1), which Adam at a learning rate of 1e-3 moves about 1e-3 a step.
 
     ``interaction = "fm"`` is DeepFM: every table holds ``embedding_dim`` + 1 columns, the last the feature's
     first-order weight; the factorization machine's logit (bias, first and second order) is added to the top
@@ -66,6 +69,7 @@ class ModelConfig:
     dropout: float = 0.0
     bottom_dropout: float = -1.0
     mlp_norm: Literal["none", "batch", "layer"] = "none"
+    mlp_bias_init: Literal["normal", "zero"] = "normal"
     table_dims: dict[str, int] = field(default_factory=dict)
     embedding_init_bound: float = 0.0
     dynamic_ids: DynamicIdsConfig = field(default_factory=DynamicIdsConfig)

@@ -16,16 +16,17 @@ from recstack.embedding.collection import EmbeddingCollection
 from recstack.embedding.dynamic_stage import DynamicIds
 from recstack.embedding.qr import QRSplit
 from recstack.models.config import ModelConfig
-from recstack.models.fused_mlp import MLP, Norm
+from recstack.models.fused_mlp import MLP, BiasInit, Norm
 from recstack.models.interaction import CatInteraction, DCNv2Interaction, DeepFMTop, DotInteraction, FMInteraction
 from recstack.models.projection import TableProjection
 
 
-def mlp(sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none") -> nn.Sequential:
+def mlp(sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none",
+        bias_init: BiasInit = "normal") -> nn.Sequential:
     """Linear layers sizes[0] -> ... -> sizes[-1], ReLU between (and after the last if asked): an ``MLP``
-    (a Sequential of Linear/ReLU modules with a fused training step), DLRM reference init; ``dropout`` and
-    ``norm`` regularise the hidden layers (``mlp_layers``)."""
-    return MLP(sizes, last_activation, dropout, norm)
+    (a Sequential of Linear/ReLU modules with a fused training step), DLRM reference init (biases at 0 with
+    ``bias_init = "zero"``); ``dropout`` and ``norm`` regularise the hidden layers (``mlp_layers``)."""
+    return MLP(sizes, last_activation, dropout, norm, bias_init=bias_init)
 
 
 class DLRM(nn.Module):
@@ -50,9 +51,9 @@ class DLRM(nn.Module):
         self.dynamic_ids: DynamicIds | None = None
         self.num_dense = num_dense
         # No dense features -> no bottom MLP (schema-driven data sets may have only categorical columns).
-        drop, norm = cfg.dropout, cfg.mlp_norm  # regularisation of both MLPs' hidden layers
+        drop, norm, bias = cfg.dropout, cfg.mlp_norm, cfg.mlp_bias_init  # every MLP's hidden layers; their biases
         bottom_drop = drop if cfg.bottom_dropout < 0 else cfg.bottom_dropout
-        self.bottom = mlp([num_dense, *cfg.bottom_mlp], True, bottom_drop, norm) if num_dense else None
+        self.bottom = mlp([num_dense, *cfg.bottom_mlp], True, bottom_drop, norm, bias) if num_dense else None
         dense_dim = cfg.bottom_mlp[-1] if num_dense else 0
         self.interaction: nn.Module
         if cfg.interaction == "dot":
@@ -63,11 +64,12 @@ class DLRM(nn.Module):
             self.interaction = FMInteraction(f, d, dense_dim)
         else:
             self.interaction = DCNv2Interaction(f, d, dense_dim, cfg.dcn_layers, cfg.dcn_low_rank, cfg.dcn_structure,
-                                                cfg.dcn_parallel_mlp, cfg.dcn_stacked_mlp, drop, norm)
+                                                cfg.dcn_parallel_mlp, cfg.dcn_stacked_mlp, drop, norm, bias)
         if cfg.interaction == "fm":  # the DNN on the features, the FM's logit added to its own
-            self.top: nn.Sequential = DeepFMTop([self.interaction.out_dim - 1, *cfg.top_mlp], False, drop, norm)
+            self.top: nn.Sequential = DeepFMTop([self.interaction.out_dim - 1, *cfg.top_mlp], False, drop, norm,
+                                                bias_init=bias)
         else:
-            self.top = mlp([self.interaction.out_dim, *cfg.top_mlp], False, drop, norm)
+            self.top = mlp([self.interaction.out_dim, *cfg.top_mlp], False, drop, norm, bias)
         # Drawn after the MLPs, so that a model without it draws exactly as before. (DeepFM's tables are D + 1
         # wide by design: their last column is the FM's first-order weight.)
         width = cfg.table_width

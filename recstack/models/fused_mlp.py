@@ -76,10 +76,11 @@ class _FusedMLP(torch.autograd.Function):
 
 
 Norm = Literal["none", "batch", "layer"]
+BiasInit = Literal["normal", "zero"]
 
 
 def mlp_layers(sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none",
-               hidden_last: bool = False) -> list[nn.Module]:
+               hidden_last: bool = False, bias_init: BiasInit = "normal") -> list[nn.Module]:
     """Linear layers sizes[0] -> ... -> sizes[-1], ReLU between (and after the last with ``last_activation``),
     initialised as in the DLRM reference from torch's global RNG, layer by layer:
     W ~ N(0, sqrt(2 / (fan_in + fan_out))), b ~ N(0, sqrt(1 / fan_out)).
@@ -89,7 +90,8 @@ def mlp_layers(sizes: list[int], last_activation: bool, dropout: float = 0.0, no
     output is an interaction vector, the top MLP's a logit). The normalisations draw nothing (weight 1, bias 0),
     so the Linear layers get the same values with or without them. ``hidden_last``: the last layer is a hidden
     one too (norm, ReLU, dropout): a block whose output feeds further layers (FuxiCTR's MLP block without an
-    output layer, as DCNv2's DNNs)."""
+    output layer, as DCNv2's DNNs). ``bias_init = "zero"`` starts every bias at 0 (FuxiCTR's reset_parameters)
+    after drawing it as "normal" does, so the weights are the same values either way."""
     layers: list[nn.Module] = []
     last = len(sizes) - 1 if hidden_last else len(sizes) - 2
     for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
@@ -97,6 +99,8 @@ def mlp_layers(sizes: list[int], last_activation: bool, dropout: float = 0.0, no
         with torch.no_grad():
             lin.weight.normal_(0.0, math.sqrt(2.0 / (m + n)))
             lin.bias.normal_(0.0, math.sqrt(1.0 / n))
+            if bias_init == "zero":  # drawn first all the same: the weights after it stay those of "normal"
+                lin.bias.zero_()
         layers.append(lin)
         if i < last and norm != "none":
             layers.append(nn.BatchNorm1d(n) if norm == "batch" else nn.LayerNorm(n))
@@ -111,8 +115,8 @@ class MLP(nn.Sequential):
     """The layers of ``mlp_layers``; input [B, sizes[0]] -> [B, sizes[-1]]."""
 
     def __init__(self, sizes: list[int], last_activation: bool, dropout: float = 0.0, norm: Norm = "none",
-                 hidden_last: bool = False) -> None:
-        layers = mlp_layers(sizes, last_activation, dropout, norm, hidden_last)
+                 hidden_last: bool = False, bias_init: BiasInit = "normal") -> None:
+        layers = mlp_layers(sizes, last_activation, dropout, norm, hidden_last, bias_init)
         super().__init__(*layers)
         after = [*layers[1:], None]  # whether a ReLU follows each Linear (read by the fused step: plain MLPs only)
         self._relu = tuple(isinstance(after[i], nn.ReLU) for i, m in enumerate(layers) if isinstance(m, nn.Linear))

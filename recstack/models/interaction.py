@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from recstack.models.fused_mlp import MLP, Norm
+from recstack.models.fused_mlp import MLP, BiasInit, Norm
 
 
 class _GramPairs(torch.autograd.Function):
@@ -91,11 +91,13 @@ class DCNv2Interaction(nn.Module):
     is the DNN stacked on it; a top MLP of [1] is FuxiCTR's crossnet_only); ``parallel`` returns
     concat(cross(x0), DNN_p(x0)); ``stacked_parallel`` concat(DNN_s(cross(x0)), DNN_p(x0)): a top MLP of [1] is
     then FuxiCTR's final fc. The DNNs (``parallel_mlp``, ``stacked_mlp`` hidden units) regularise every layer
-    with ``norm`` and ``dropout``, as FuxiCTR's ``batch_norm`` and ``net_dropout`` do."""
+    with ``norm`` and ``dropout``, as FuxiCTR's ``batch_norm`` and ``net_dropout`` do; their biases start as
+    ``bias_init`` says (``mlp_layers``)."""
 
     def __init__(self, num_features: int, dim: int, dense_dim: int, layers: int, low_rank: int,
                  structure: str = "stacked", parallel_mlp: list[int] | None = None,
-                 stacked_mlp: list[int] | None = None, dropout: float = 0.0, norm: Norm = "none") -> None:
+                 stacked_mlp: list[int] | None = None, dropout: float = 0.0, norm: Norm = "none",
+                 bias_init: BiasInit = "normal") -> None:
         super().__init__()
         n = dense_dim + num_features * dim
         self.v = nn.ModuleList((nn.Linear(n, low_rank, bias=False) if low_rank else nn.Identity())
@@ -108,9 +110,9 @@ class DCNv2Interaction(nn.Module):
                     u.bias.zero_()
         self.u = nn.ModuleList(cross)
         # Drawn after the cross layers, so that a stacked network draws exactly as before.
-        self.stacked = (MLP([n, *stacked_mlp], True, dropout, norm, hidden_last=True)
+        self.stacked = (MLP([n, *stacked_mlp], True, dropout, norm, hidden_last=True, bias_init=bias_init)
                         if structure == "stacked_parallel" and stacked_mlp else None)
-        self.parallel = (MLP([n, *parallel_mlp], True, dropout, norm, hidden_last=True)
+        self.parallel = (MLP([n, *parallel_mlp], True, dropout, norm, hidden_last=True, bias_init=bias_init)
                          if structure != "stacked" and parallel_mlp else None)
         cross_out = stacked_mlp[-1] if self.stacked is not None and stacked_mlp else n
         self.out_dim = cross_out + (parallel_mlp[-1] if self.parallel is not None and parallel_mlp else 0)

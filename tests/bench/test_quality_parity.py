@@ -42,6 +42,7 @@ def test_parity_config_says_what_fuxictr_is_given(layout: str, model: str) -> No
         assert m.dcn_low_rank == 0 and not s["use_low_rank_mixture"]
         assert m.dcn_parallel_mlp == s["parallel_dnn_hidden_units"] and m.top_mlp == [1]
         assert m.dropout == s["net_dropout"] and s["dnn_activations"] == "relu"
+        assert m.mlp_bias_init == "zero"  # FuxiCTR's reset_parameters: every nn.Linear's bias at 0
 
 
 def _stats(values: list[float]) -> dict:

@@ -12,6 +12,7 @@ from torch import nn
 
 from recstack.config import load_config
 from recstack.errors import ConfigError
+from recstack.models.fused_mlp import MLP
 from recstack.models.interaction import DCNv2Interaction
 
 F, D, DENSE = 3, 4, 2
@@ -88,6 +89,37 @@ def test_bottom_dropout_is_its_own_rate() -> None:
     assert [m.p for m in net.bottom if isinstance(m, nn.Dropout)] == [0.2]
 
 
+@pytest.mark.parametrize("structure", ["parallel", "stacked_parallel"])
+def test_zero_bias_init_starts_every_mlp_bias_at_zero_with_the_same_weights(structure: str) -> None:
+    """``model.mlp_bias_init = "zero"`` (FuxiCTR's reset_parameters): every MLP bias (bottom, the DCNv2 DNNs, the
+    top's logit) starts at 0 and every weight is the value "normal" draws; "normal" (default) starts the logit
+    N(0, 1) off, so the model's first predictions of all-zero inputs differ from 0.5."""
+    from recstack.embedding import SparseOptimizerConfig
+    from recstack.models.build import build_model
+
+    stacked = ["model.dcn_stacked_mlp=[8]"] if structure == "stacked_parallel" else []
+    sets = ["model.embedding_dim=4", "model.bottom_mlp=[8, 4]", "model.top_mlp=[1]", 'model.interaction="dcn"',
+            "model.dcn_low_rank=0", f'model.dcn_structure="{structure}"', "model.dcn_parallel_mlp=[16, 16]", *stacked]
+    nets = {}
+    for init in ("normal", "zero"):
+        torch.manual_seed(5)  # the MLPs draw from torch's global RNG
+        nets[init] = build_model(load_config(None, [*sets, f'model.mlp_bias_init="{init}"']).model,
+                                 SparseOptimizerConfig(), 3, [5, 6], seed=0)
+    mlps = [net for net in nets["zero"].modules() if isinstance(net, MLP)]
+    assert len(mlps) == 3 + len(stacked)  # bottom, parallel DNN, [stacked DNN], top
+    normal = dict(nets["normal"].named_parameters())
+    for name, p in nets["zero"].named_parameters():
+        if name.endswith(".bias") and not name.startswith("interaction.u."):  # the cross network's are 0 anyway
+            assert p.detach().abs().max().item() == 0.0, name
+            assert normal[name].detach().abs().max().item() > 0.0, name
+        else:
+            assert torch.equal(p, normal[name]), name
+    x = torch.zeros(4, nets["zero"].interaction.out_dim)
+    with torch.no_grad():  # the top MLP [1] on a zero input: its logit bias alone
+        assert torch.equal(nets["zero"].top(x), torch.zeros(4, 1))
+        torch.testing.assert_close(nets["normal"].top(x), nets["normal"].top[0].bias.expand(4, 1))
+
+
 @pytest.mark.parametrize(("sets", "message"), [
     (['model.dcn_structure="parallel"'], r"model\.dcn_parallel_mlp: .*needs its hidden units"),
     (['model.dcn_structure="stacked_parallel"', "model.dcn_parallel_mlp=[8]"],
@@ -96,6 +128,7 @@ def test_bottom_dropout_is_its_own_rate() -> None:
     (['model.interaction="dot"', "model.dcn_stacked_mlp=[8]"], r"model\.dcn_stacked_mlp: not used with model"),
     (["model.bottom_dropout=1.5"], r"model\.bottom_dropout"),
     (["model.dcn_low_rank=-1"], r"model\.dcn_low_rank"),
+    (['model.mlp_bias_init="zeros"'], r"model\.mlp_bias_init: 'zeros' is not one of normal, zero"),
 ])
 def test_bad_dcn_settings_name_the_key(sets: list[str], message: str) -> None:
     base = [] if any("interaction" in s for s in sets) else ['model.interaction="dcn"']
