@@ -18,11 +18,10 @@ import torch
 
 from recstack.data.format import capped_table_sizes
 from recstack.data.loader import BatchLoader
-from recstack.data.prepared_dataset import PreparedDataset
 from recstack.embedding.dynamic_stage import dynamic_table_layout
 from recstack.embedding.sparse_optim import sparse_optimizer_config
 from recstack.exfm.config import NetSpec
-from recstack.exfm.source import FeatureLayout, PreparedWindows, WindowSource
+from recstack.exfm.source import FeatureLayout, WindowSource
 from recstack.exfm.stream import StreamTrainer
 from recstack.exfm.windows import Window
 from recstack.metrics import BinaryMetrics
@@ -97,20 +96,6 @@ def wait_for_snapshot(snap_dir: Path, version: int, timeout_s: float, poll_s: fl
         time.sleep(poll_s)
         poll_s = min(poll_s * 1.5, 1.0)
     return path
-
-
-def run_fm_stream(
-    ds: PreparedDataset,
-    windows: list[Window],
-    spec: NetSpec,
-    seed: int,
-    out_dir: Path,
-    publish_every: int,
-    eval_from: int = 0,
-    device: torch.device | str = "cpu",
-) -> dict[str, Any]:
-    """Train the FM through every window of the prepared set ``ds`` (``run_fm_windows``)."""
-    return run_fm_windows(PreparedWindows(ds, windows), spec, seed, out_dir, publish_every, eval_from, device)
 
 
 def run_fm_windows(

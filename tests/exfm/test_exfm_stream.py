@@ -16,7 +16,8 @@ from recstack.data.format import PreparedFormatError
 from recstack.data.prepared_dataset import PreparedDataset
 from recstack.data.synth.generate import SynthConfig, generate
 from recstack.exfm.config import NetSpec, StreamConfig
-from recstack.exfm.fm import load_snapshot, run_fm_stream
+from recstack.exfm.fm import load_snapshot, run_fm_windows
+from recstack.exfm.source import PreparedWindows
 from recstack.exfm.windows import VerticalIndex, make_windows, row_windows, time_windows
 from recstack.training.checkpoint.single import latest_checkpoint, list_checkpoints
 
@@ -61,7 +62,8 @@ def test_windows_and_verticals_of_a_synthetic_stream(data: Path) -> None:
 
 def _run(data: Path, out: Path) -> dict:
     ds = PreparedDataset(data)
-    return run_fm_stream(ds, make_windows(ds, StreamConfig(window=1.0)), _spec(), 0, out, publish_every=2)
+    return run_fm_windows(PreparedWindows(ds, make_windows(ds, StreamConfig(window=1.0))), _spec(), 0, out,
+                          publish_every=2)
 
 
 @pytest.fixture(scope="module")
