@@ -75,6 +75,17 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def churn_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A synthetic stream of raw int64 ids with a third of them replaced each day (what dynamic id tables are
+    tested on): 6,000 rows, 3 days, tables of 800, 200 and 30 ids."""
+    from recstack.data.synth.generate import SynthConfig, generate
+
+    cfg = SynthConfig(rows=6000, num_dense=2, table_sizes=(800, 200, 30), num_days=3, id_churn=0.3, raw_ids=True,
+                      calibration_rows=2048)
+    return generate(cfg, tmp_path_factory.mktemp("churn") / "data", progress=False)
+
+
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not (SHARED_DATA / "criteo_kaggle_sample.tsv").is_file():
         pytest.skip(f"real Criteo samples not found at {SHARED_DATA}")

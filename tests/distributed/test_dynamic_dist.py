@@ -41,6 +41,17 @@ def _served(models: Path, rows: list[dict]) -> np.ndarray:
     return model.score(model.encode(rows, ids=True)).double().numpy()
 
 
+def killed_and_restarted(out: Path, data: Path, opts: list[str]) -> dict:
+    """A 2-rank run whose worker is SIGKILLed after the first checkpoint and that torchrun starts again (it
+    resumes) -> its summary."""
+    agent = kill_after_checkpoints(train_args(out, data, opts), out / "checkpoints", 1,
+                                   launcher=torchrun(2, "--max-restarts", "1"), worker=True, timeout=200)
+    _, err = agent.communicate(timeout=300)
+    assert agent.returncode == 0, err[-3000:]
+    assert "failed (exitcode: " in err, err[-3000:]  # the group failed, was started again and resumed
+    return json.loads((out / "summary.json").read_text())
+
+
 def test_two_ranks_match_one_process_and_export_alike(churn: Path, tmp_path: Path) -> None:
     """Every id of a step gets a row as in one process (the default row 0 for ids seen once, admit_after = 2),
     with the same initial vector wherever it lands, so the evaluation (every rank's predictions) and the served
@@ -81,12 +92,7 @@ def test_eviction_within_each_ranks_capacity_and_resume(churn: Path, tmp_path: P
     assert 0 < ref["dynamic_ids/rank_rows_in_use_max"] <= 29
     assert ref["dynamic_ids/rows_in_use"] <= 3 * 2 * 29  # three tables, two ranks
     out = tmp_path / "run"
-    agent = kill_after_checkpoints(train_args(out, churn, opts), out / "checkpoints", 1,
-                                   launcher=torchrun(2, "--max-restarts", "1"), worker=True, timeout=200)
-    _, err = agent.communicate(timeout=300)
-    assert agent.returncode == 0, err[-3000:]
-    assert "failed (exitcode: " in err, err[-3000:]  # the group failed, was started again and resumed
-    resumed = json.loads((out / "summary.json").read_text())
+    resumed = killed_and_restarted(out, churn, opts)
     keys = ["auc", "logloss", "train_samples", *(k for k in ref if k.startswith("dynamic_ids/"))]
     assert {k: resumed[k] for k in keys} == {k: ref[k] for k in keys}
     # one process reads the merged maps of the sharded checkpoint
@@ -102,12 +108,7 @@ def test_cached_tier_shards_match_in_memory_and_resume(churn: Path, tmp_path: Pa
     ref = cli_train(tmp_path / "ref", churn, opts, launcher=TWO)
     out = tmp_path / "run"
     tiers = ['memory.device="400"', 'memory.host="600"', f'memory.ssd_dir="{tmp_path / "ssd"}"']
-    agent = kill_after_checkpoints(train_args(out, churn, [*opts, *tiers]), out / "checkpoints", 1,
-                                   launcher=torchrun(2, "--max-restarts", "1"), worker=True, timeout=200)
-    _, err = agent.communicate(timeout=300)
-    assert agent.returncode == 0, err[-3000:]
-    assert "failed (exitcode: " in err, err[-3000:]  # the group failed, was started again and resumed
-    run = json.loads((out / "summary.json").read_text())
+    run = killed_and_restarted(out, churn, [*opts, *tiers])
     keys = ["auc", "logloss", "train_samples", *(k for k in ref if k.startswith("dynamic_ids/"))]
     assert ref["dynamic_ids/evictions"] > 0 and {k: run[k] for k in keys} == {k: ref[k] for k in keys}
     logs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]  # cached tiers, missing

@@ -14,7 +14,6 @@ from conftest import kill_after_checkpoints, run_cli, train_args
 
 from recstack.config import load_config
 from recstack.data.batch import Batch, SparseFeatures
-from recstack.data.synth.generate import SynthConfig, generate
 from recstack.embedding.collection import TableConfig, init_bound
 from recstack.embedding.dynamic import DynamicIdMap, DynamicIdsConfig, id_owner, id_values
 from recstack.embedding.dynamic_stage import DynamicIds
@@ -162,13 +161,6 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
         check_capacities(DynamicIdsConfig(enabled=True, capacity=101), ["C1"], 2)
     with pytest.raises(ConfigError, match="model.dynamic_ids.table_capacity.C2: 9 rows"):
         check_capacities(DynamicIdsConfig(enabled=True, capacity=100, table_capacity={"C2": 9}), ["C1", "C2"], 2)
-
-
-@pytest.fixture(scope="module")
-def churn_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = SynthConfig(rows=6000, num_dense=2, table_sizes=(800, 200, 30), num_days=3, id_churn=0.3, raw_ids=True,
-                      calibration_rows=2048)
-    return generate(cfg, tmp_path_factory.mktemp("churn") / "data", progress=False)
 
 
 DYN = ["model.embedding_dim=4", "model.bottom_mlp=[8, 4]", "model.top_mlp=[8, 1]", "train.batch_size=128",

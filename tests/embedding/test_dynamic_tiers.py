@@ -15,7 +15,6 @@ from conftest import kill_after_checkpoints, run_cli, train_args
 
 from recstack.config import load_config
 from recstack.data.batch import SparseFeatures
-from recstack.data.synth.generate import SynthConfig, generate
 from recstack.embedding.collection import TableConfig
 from recstack.embedding.fused import FusedEmbeddingBagCollection
 from recstack.embedding.sparse_optim import SparseOptimizerConfig
@@ -68,13 +67,6 @@ def test_reset_rows_reaches_every_copy_of_a_row(tmp_path: Path, kind: str, polic
     tiered.close()
 
 
-@pytest.fixture(scope="module")
-def churn(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = SynthConfig(rows=6000, num_dense=2, table_sizes=(800, 200, 30), num_days=3, id_churn=0.3, raw_ids=True,
-                      calibration_rows=2048)
-    return generate(cfg, tmp_path_factory.mktemp("churn") / "data", progress=False)
-
-
 # Capacity 160 rows of 20 bytes (4 weights + an accumulator) per table. 1600 bytes of device memory keep no
 # table there: each gets a 26-row cache, C1's and C2's rows in host memory (6400 bytes), C3's in a file.
 DYN = ["model.embedding_dim=4", "model.bottom_mlp=[8, 4]", "model.top_mlp=[8, 1]", "train.batch_size=128",
@@ -112,16 +104,16 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
         assert torch.equal(v, b[k]), k
 
 
-def test_dynamic_ids_in_cached_tiers_match_all_in_memory(churn: Path, tmp_path: Path,
+def test_dynamic_ids_in_cached_tiers_match_all_in_memory(churn_data: Path, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture) -> None:
     """Id maps evicting (rows reused and reset) over host- and ssd-cached tables whose 26-row caches hold fewer
     rows than the maps use (cache evictions): the same losses, evaluations, id map counters and final tables as
     with every row in memory; `recstack eval` of its checkpoint directory gives the same AUC."""
     extra = ["train.max_steps=45", "train.log_every=5"]
-    ref_t = _trainer(churn, tmp_path / "ref", extra)
+    ref_t = _trainer(churn_data, tmp_path / "ref", extra)
     ref = ref_t.train()
     capsys.readouterr()
-    run_t = _trainer(churn, tmp_path / "run", [*extra, *TIERS, f'memory.ssd_dir="{tmp_path / "ssd"}"'])
+    run_t = _trainer(churn_data, tmp_path / "run", [*extra, *TIERS, f'memory.ssd_dir="{tmp_path / "ssd"}"'])
     plan = capsys.readouterr().out
     assert "host-cached" in plan and "ssd-cached" in plan, plan
     run = run_t.train()
@@ -145,17 +137,17 @@ def test_dynamic_ids_in_cached_tiers_match_all_in_memory(churn: Path, tmp_path: 
     assert json.loads(capsys.readouterr().out)["auc"] == ref["auc"]
 
 
-def test_stopped_and_resumed_in_tiers_matches_all_in_memory(churn: Path, tmp_path: Path, stop_at) -> None:
+def test_stopped_and_resumed_in_tiers_matches_all_in_memory(churn_data: Path, tmp_path: Path, stop_at) -> None:
     """A tiered dynamic-id run stopped after its step-20 checkpoint and resumed ends with the uninterrupted
     all-in-memory run's maps, tables and metrics."""
     extra = ["train.max_steps=40", "train.checkpoint_every=20"]
     tiers = [*TIERS, f'memory.ssd_dir="{tmp_path / "ssd"}"']
-    ref_t = _trainer(churn, tmp_path / "ref", extra)
+    ref_t = _trainer(churn_data, tmp_path / "ref", extra)
     ref = ref_t.train()
-    part = _trainer(churn, tmp_path / "run", [*extra, *tiers])
+    part = _trainer(churn_data, tmp_path / "run", [*extra, *tiers])
     stop_at(part, 25)
     part.close()
-    resumed = _trainer(churn, tmp_path / "run", [*extra, *tiers], resume=True)
+    resumed = _trainer(churn_data, tmp_path / "run", [*extra, *tiers], resume=True)
     assert resumed.step == 20
     run = resumed.train()
     keys = [*METRICS, *(k for k in ref if k.startswith("dynamic_ids/"))]
@@ -169,13 +161,13 @@ def test_stopped_and_resumed_in_tiers_matches_all_in_memory(churn: Path, tmp_pat
     resumed.close()
 
 
-def test_sigkill_then_resume_ssd_cached_dynamic_matches_uninterrupted(churn: Path, tmp_path: Path) -> None:
+def test_sigkill_then_resume_ssd_cached_dynamic_matches_uninterrupted(churn_data: Path, tmp_path: Path) -> None:
     """`recstack train` killed after two checkpoints, its SSD table file gone with it, resumes to the end of the
     uninterrupted run."""
     opts = [*DYN, "train.max_steps=60", "train.checkpoint_every=15", 'memory.device="1600"', 'memory.host="0"']
-    ref = run_cli(train_args(tmp_path / "ref", churn, [*opts, f'memory.ssd_dir="{tmp_path / "ssd_ref"}"']))
+    ref = run_cli(train_args(tmp_path / "ref", churn_data, [*opts, f'memory.ssd_dir="{tmp_path / "ssd_ref"}"']))
     assert ref.returncode == 0, ref.stderr
-    run = train_args(tmp_path / "run", churn, [*opts, f'memory.ssd_dir="{tmp_path / "ssd"}"'])
+    run = train_args(tmp_path / "run", churn_data, [*opts, f'memory.ssd_dir="{tmp_path / "ssd"}"'])
     killed = kill_after_checkpoints(run, tmp_path / "run" / "checkpoints", 2)
     assert killed.returncode == -signal.SIGKILL, "training finished before it could be killed"
     assert list((tmp_path / "ssd").iterdir()) == []
