@@ -55,6 +55,11 @@ def _score(model: ServingModel, batches: list[EncodedBatch]) -> Scores:
     return logits.numpy(), torch.sigmoid(logits).numpy()
 
 
+def _fail(p: _Pending, error: BaseException) -> None:
+    if not p.future.done():  # not cancelled meanwhile
+        p.future.set_exception(error)
+
+
 class Batcher:
     """Scores encoded requests, alone or batched (see the module docstring). Used from one event
     loop; ``await stop()`` at shutdown (after the server has answered its in-flight requests)."""
@@ -104,14 +109,9 @@ class Batcher:
             self._queued_rows -= p.rows
             self._busy = True
             try:
-                out = _score(p.model, [p.batch])
+                self._deliver([p], _score(p.model, [p.batch]))
             except Exception as e:
-                if not p.future.done():
-                    p.future.set_exception(e)
-            else:
-                self.metrics.observe_batch(p.rows, 1)
-                if not p.future.done():  # not cancelled meanwhile
-                    p.future.set_result(out)
+                _fail(p, e)
             finally:
                 self._busy = False
             return
@@ -159,37 +159,34 @@ class Batcher:
         self._busy = False
         error = call.exception() if not call.cancelled() else asyncio.CancelledError()
         if error is None:
-            logits, prob = call.result()
-            self.metrics.observe_batch(len(logits), len(group))
-            start = 0
-            for p in group:
-                if not p.future.done():  # not cancelled meanwhile
-                    p.future.set_result(
-                        (logits[start : start + p.rows], prob[start : start + p.rows])
-                    )
-                start += p.rows
+            self._deliver(group, call.result())
         elif (
             len(group) > 1
         ):  # isolate the request that failed: each one alone, so the others still succeed
             self._busy = True
             asyncio.get_running_loop().create_task(self._one_by_one(group))
             return
-        elif not group[0].future.done():
-            group[0].future.set_exception(error)
+        else:
+            _fail(group[0], error)
         self._kick()
+
+    def _deliver(self, group: list[_Pending], scores: Scores) -> None:
+        """One model call's (logits [B], probabilities [B]) -> each request of ``group`` its own rows."""
+        logits, prob = scores
+        self.metrics.observe_batch(len(logits), len(group))
+        start = 0
+        for p in group:
+            if not p.future.done():  # not cancelled meanwhile
+                p.future.set_result((logits[start : start + p.rows], prob[start : start + p.rows]))
+            start += p.rows
 
     async def _one_by_one(self, group: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()
         for p in group:
             try:
-                out = await loop.run_in_executor(self._executor, _score, p.model, [p.batch])
+                self._deliver([p], await loop.run_in_executor(self._executor, _score, p.model, [p.batch]))
             except Exception as e:
-                if not p.future.done():
-                    p.future.set_exception(e)
-                continue
-            self.metrics.observe_batch(p.rows, 1)
-            if not p.future.done():
-                p.future.set_result(out)
+                _fail(p, e)
         self._busy = False
         self._kick()
 
