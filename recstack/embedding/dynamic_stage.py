@@ -80,12 +80,14 @@ class DynamicIds:
         return rows
 
     def _resetter(self, name: str, index: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        collection = self.collection
+        if collection is None:
+            return lambda rows, ids: None
+        table = next(t for t in collection.tables if t.name == name)  # the whole table: its init bound
+        key, dim, bound = self.seed * 1_000_003 + index, table.embedding_dim, init_bound(table)
+
         def reset(rows: torch.Tensor, ids: torch.Tensor) -> None:
-            if self.collection is None:
-                return
-            table = next(t for t in self.collection.tables if t.name == name)  # the whole table: its init bound
-            values = id_values(ids, self.seed * 1_000_003 + index, table.embedding_dim, init_bound(table))
-            self.collection.reset_rows(name, self._table_rows(name, rows), values)
+            collection.reset_rows(name, self._table_rows(name, rows), id_values(ids, key, dim, bound))
         return reset
 
     def _rows(self, raw: dict[str, torch.Tensor], train: bool) -> dict[str, torch.Tensor]:
