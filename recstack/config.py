@@ -72,10 +72,14 @@ def validate(cfg: Config, *, check_device: bool = True) -> None:
     from recstack.embedding.tiered.placement import memory_budgets_set
 
     if memory_budgets_set(cfg.memory):  # the tiers refuse it too; said here before any data is read
+        budgets = f"memory.device={cfg.memory.device!r}, memory.host={cfg.memory.host!r}"
         try:
             refuse_tiers(sparse_optimizer_config(cfg.optim))
         except ConfigError as e:
-            raise ConfigError(f"{e} (memory.device={cfg.memory.device!r}, memory.host={cfg.memory.host!r})") from e
+            raise ConfigError(f"{e} ({budgets})") from e
+        if cfg.optim.max_grad_norm > 0:  # TieredEmbeddingCollection.defer_updates
+            raise ConfigError(f"optim.max_grad_norm = {cfg.optim.max_grad_norm} cannot be combined with memory "
+                              f"tiers ({budgets}): set optim.max_grad_norm = 0, or hold the tables in memory")
     if cfg.optim.plateau_patience and not cfg.train.eval_every:
         raise ConfigError("optim.plateau_patience: needs train.eval_every > 0 (the metric is checked at each "
                           "evaluation)")

@@ -355,6 +355,28 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         return torch.cat(outs, dim=1) if self.mixed_dims else torch.stack(outs, dim=1)  # [B, sum d_f] / [B, F, D]
 
     # -- capabilities of the collection interface ------------------------------------------------------------
+    def defer_updates(self) -> None:
+        """Collective: every rank defers, or every rank raises (a rank with shards in cached tiers refuses)."""
+        error: Exception | None = None
+        try:
+            for c in [*self.groups.values(), *([self.replicated] if self.replicated else [])]:
+                cast(EmbeddingCollection, c).defer_updates()
+        except Exception as e:  # decided together: a rank that raised alone would leave the rest waiting
+            error = e
+        agreement.fail_together(error, "defer its embedding updates (optim.max_grad_norm)")
+
+    def deferred_sq_norm(self) -> float:
+        """Collective: each element of a sharded table lives on one rank, so the shards' sums add up over the
+        ranks (one all-reduce of a scalar); the replicated tables' rows, equal on every rank, count once."""
+        owned = sum((cast(EmbeddingCollection, m).deferred_sq_norm() for m in self.groups.values()), 0.0)
+        total = torch.tensor([owned], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.dp_group)
+        return float(total) + (self.replicated.deferred_sq_norm() if self.replicated is not None else 0.0)
+
+    def apply_deferred(self, scale: float) -> None:
+        for c in [*self.groups.values(), *([self.replicated] if self.replicated else [])]:
+            cast(EmbeddingCollection, c).apply_deferred(scale)
+
     def pop_counters(self) -> dict[str, float]:
         """Bytes and seconds per collective, and this rank's local collections' counters (the cache requests,
         hits and fetch seconds of shards in cached tiers) summed over them."""

@@ -187,5 +187,22 @@ class EmbeddingCollection(nn.Module, abc.ABC):
         ``values`` [k, dim] and the optimizer state of a new row."""
         raise NotImplementedError(f"{type(self).__name__} cannot reset rows")
 
+    # Deferred updates, for the gradient-norm clip (``optim.max_grad_norm``; sparse_optim's docstring). The
+    # defaults serve a collection whose rows are all updated by its own ``optimizer``; one that holds other
+    # collections overrides the three, one that cannot keep an update for later refuses in ``defer_updates``.
+    def defer_updates(self) -> None:
+        """From now on backward keeps each step's row updates instead of applying them, until
+        ``apply_deferred``."""
+        self.optimizer.defer = True
+
+    def deferred_sq_norm(self) -> float:
+        """The sum of squares of the kept updates' gradients over all of the tables' rows (each element once;
+        a collection whose rows are spread over processes sums over them: then a collective)."""
+        return self.optimizer.pending_sq_norm()
+
+    def apply_deferred(self, scale: float) -> None:
+        """Apply the kept updates, their gradients multiplied by ``scale``."""
+        self.optimizer.apply_pending(scale)
+
     def close(self) -> None:
         """Release what the collection holds besides memory (threads, open files); lookups fail afterwards."""

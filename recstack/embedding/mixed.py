@@ -85,3 +85,14 @@ class MixedDimEmbeddingCollection(EmbeddingCollection):
     def reset_rows(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
         t = next(t for t in self.tables if t.name == name)
         self._group(group_key(t.embedding_dim)).reset_rows(name, rows, values)
+
+    def defer_updates(self) -> None:
+        for key in self.groups:
+            self._group(key).defer_updates()
+
+    def deferred_sq_norm(self) -> float:
+        return sum((self._group(key).deferred_sq_norm() for key in self.groups), 0.0)
+
+    def apply_deferred(self, scale: float) -> None:
+        for key in self.groups:
+            self._group(key).apply_deferred(scale)

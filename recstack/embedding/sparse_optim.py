@@ -36,6 +36,14 @@ The state an optimizer keeps with each row is declared by ``state_parts`` (``Sta
 ``accumulator`` [R]; Adam's ``exp_avg`` and ``exp_avg_sq`` [R, D] and ``row_step`` [R]: S = 0, 1 or 2 D + 1
 values per row. Collections hold one buffer per part, checkpoints one entry per part, sharding splits the
 per-column parts with the columns and gives each column shard its own per-row ones.
+
+Deferred updates (``defer``, for ``optim.max_grad_norm``): the gradient-norm clip needs the norm of every
+gradient before any update, but backward updates the rows as it reaches them. A deferring optimizer's ``step``
+computes the gradient it would apply (summed per distinct row, the weight-decay term added) and keeps it;
+``pending_sq_norm`` gives the sum of its squares and ``apply_pending(scale)`` then applies the kept updates with
+the gradients multiplied by ``scale``. The cost is holding the gradient rows [U, D] (in ``all_rows`` mode the
+whole tables' [R, D]) until the training step applies them, and the aggregation per distinct row also for SGD on
+CPU (which otherwise adds each id's gradient straight into its row).
 """
 
 from __future__ import annotations
@@ -140,6 +148,9 @@ class SparseOptimizer:
     def __init__(self, config: SparseOptimizerConfig) -> None:
         self.config = config
         self.lr_scale = 1.0  # set per step by a learning-rate schedule (recstack.training.lr_schedule)
+        self.defer = False  # hold each step's update until apply_pending (module docstring)
+        # (weight, state, rows [U], gradient [U, D] as it would be applied) of each deferred step, in order
+        self._pending: list[tuple[torch.Tensor, Mapping[str, torch.Tensor], torch.Tensor, torch.Tensor]] = []
 
     @property
     def state_parts(self) -> tuple[StatePart, ...]:
@@ -177,13 +188,11 @@ class SparseOptimizer:
         if rows.numel() == 0 and not every_row:
             return
         grads = grads.to(weight.dtype)
-        lr = self.config.lr * self.lr_scale
         wd = self.config.weight_decay
-        kind = self.config.kind
-        if kind == "sgd" and not wd and not weight.is_cuda and not every_row:
+        if self.config.kind == "sgd" and not wd and not weight.is_cuda and not every_row and not self.defer:
             # A serial loop over the ids in order on CPU. The step is folded into the gradient because
             # index_add_ with alpha != 1 takes a much slower path.
-            weight.index_add_(0, rows, grads * -lr)
+            weight.index_add_(0, rows, grads * -(self.config.lr * self.lr_scale))
             return
         # Sum per distinct row first: on CUDA index_add_'s atomics would make the order of the adds vary, and
         # the weight decay is once per distinct row.
@@ -196,6 +205,30 @@ class SparseOptimizer:
                 g.add_(weight, alpha=wd)
         elif wd:
             g.add_(weight.index_select(0, uniq), alpha=wd)  # g_r + wd * w_r
+        if self.defer:
+            self._pending.append((weight, state, uniq, g))
+            return
+        self._update(weight, state, uniq, g)
+
+    @torch.no_grad()
+    def pending_sq_norm(self) -> float:
+        """The sum of squares of every deferred gradient's elements (0 when nothing is pending)."""
+        return sum((float(g.pow(2).sum()) for _, _, _, g in self._pending), 0.0)
+
+    @torch.no_grad()
+    def apply_pending(self, scale: float) -> None:
+        """Apply the deferred updates in the order of their steps, their gradients multiplied by ``scale``."""
+        pending, self._pending = self._pending, []
+        for weight, state, uniq, g in pending:
+            if scale != 1.0:
+                g.mul_(scale)
+            self._update(weight, state, uniq, g)
+
+    def _update(self, weight: torch.Tensor, state: Mapping[str, torch.Tensor], uniq: torch.Tensor,
+                g: torch.Tensor) -> None:
+        """The update of distinct rows ``uniq`` [U] with their gradients ``g`` [U, D] (consumed)."""
+        lr = self.config.lr * self.lr_scale
+        kind = self.config.kind
         if kind == "sgd":
             weight.index_add_(0, uniq, g.mul_(-lr))
         elif kind == "rowwise_adagrad":

@@ -114,7 +114,7 @@ def run_fm_windows(
     snap_dir = out_dir / "snapshots"
     ds, features = source.data, source.features
     model = build_net(spec, features, seed, device)
-    optimizer = build_dense_optimizer(spec.optim, model.dense_parameters())
+    optimizer = build_dense_optimizer(spec.optim, model.dense_parameters(), model.embeddings)
     caps = table_caps(spec, features)
 
     def train_batches(w: Window):

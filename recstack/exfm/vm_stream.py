@@ -177,7 +177,8 @@ def run_vm_stream(job: VMJob, device: torch.device | str = "cpu", hooks: Sequenc
         _load_body(model, Path(job.warm_dir), dynamic)
         if job.distill_head_init == "serving":
             model.init_distill_head_from_serving()
-    optimizer = build_dense_optimizer(job.vm.optim, model.dense_param_groups(job.vm.optim.dense_lr))
+    optimizer = build_dense_optimizer(job.vm.optim, model.dense_param_groups(job.vm.optim.dense_lr),
+                                      model.body.embeddings)
     store = DasStore(job.store) if model.needs_fm else None
     if model.needs_fm and not job.store:
         raise ValueError(f"VMJob: arm {arm!r} needs a DAS store")

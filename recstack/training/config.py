@@ -21,7 +21,11 @@ class OptimConfig:
     ``sparse_weight_decay`` with ``sparse_weight_decay_mode = "touched"`` decays only the embedding rows a step
     touches, once per distinct row, inside the fused update; ``"all_rows"`` is FuxiCTR's
     ``embedding_regularizer`` (same value): (wd / 2) ||W||^2 over the whole tables in every step's loss, so every
-    row takes every step (a dense pass over the tables per step; docs/training.md)."""
+    row takes every step (a dense pass over the tables per step; docs/training.md).
+
+    ``max_grad_norm`` > 0 clips the global norm of every gradient of a step, the embedding rows' included, at
+    that value before any update (torch's ``clip_grad_norm_``, FuxiCTR's ``max_gradient_norm``;
+    ``recstack.training.step.clip_before_step``); 0 = off."""
 
     dense: Literal["sgd", "adagrad", "adam"] = "sgd"
     dense_lr: float = 0.1
@@ -33,6 +37,7 @@ class OptimConfig:
     sparse_weight_decay: float = 0.0
     sparse_weight_decay_mode: Literal["touched", "all_rows"] = "touched"
     sparse_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam's (beta1, beta2)
+    max_grad_norm: float = 0.0  # the clip of every gradient's global norm (docstring); 0 = off
     # Both learning rates x a schedule (recstack.training.lr_schedule): linear warm-up over lr_warmup_steps (the first
     # update at 1/lr_warmup_steps), then from lr_decay_start_step a quadratic decay to 0 over lr_decay_steps (0 =
     # none), as the DLRM reference.
@@ -48,7 +53,8 @@ class OptimConfig:
         """Learning rates and eps finite and in range, a schedule LRSchedule accepts; errors name the field."""
         from recstack.training.lr_schedule import LRSchedule  # torch: only when a config is checked
 
-        for name in ("dense_lr", "sparse_lr", "adagrad_init", "dense_weight_decay", "sparse_weight_decay"):
+        for name in ("dense_lr", "sparse_lr", "adagrad_init", "dense_weight_decay", "sparse_weight_decay",
+                     "max_grad_norm"):
             if not 0.0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"optim.{name}: must be finite and >= 0, got {getattr(self, name)}")
         if not 0.0 < self.eps < math.inf:

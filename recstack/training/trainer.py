@@ -108,7 +108,7 @@ class Trainer:
         self.net: torch.nn.Module = self.model  # what the step calls: the model, or DDP around it
         self._parallelize()
         self.compression.attach(self.model)  # eb codecs learn which table each chunk carries; --dump-a2a hook
-        self.optimizer = build_dense_optimizer(cfg.optim, self.model.dense_parameters())
+        self.optimizer = build_dense_optimizer(cfg.optim, self.model.dense_parameters(), self.model.embeddings)
         o = cfg.optim
         self.monitor = Monitor(t.early_stopping, o)
         schedule = LRSchedule(o.lr_warmup_steps, o.lr_decay_start_step, o.lr_decay_steps)

@@ -246,6 +246,13 @@ class TieredEmbeddingCollection(TableFilesMixin, RowResetMixin, EmbeddingCollect
                                      per_sample_weights=sparse.weights, include_last_offset=True)
         return pooled.view(f, b, self.embedding_dim).transpose(0, 1)  # [F*B, D] -> [B, F, D]
 
+    def defer_updates(self) -> None:
+        """Refused: a kept update names compute-buffer rows, whose cache slots the prefetch of the next batch
+        may reassign before the training step applies it."""
+        raise ConfigError("optim.max_grad_norm cannot be combined with memory tiers ([memory] device / host "
+                          "budgets, or a plan that places shards in cached tiers): set optim.max_grad_norm = 0 "
+                          "there, or hold the tables in memory")
+
     def apply_gradients(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """Called from backward: rows [N] of the compute buffer, grads [N, D] -> one optimizer update."""
         state = {"accumulator": self.accumulator} if self.accumulator is not None else {}
