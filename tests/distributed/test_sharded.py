@@ -47,7 +47,7 @@ def _run(data: Path, sparse_opt: str, rank: int, world: int, placements=None, ra
         model = shard_model(model, placements, 0, device, ranks_per_node=ranks_per_node,
                             aggregate_gradients=aggregate, memory=cfg.memory)
         net = wrap_ddp(model, device)
-    opt = build_dense_optimizer(cfg.optim, model.dense_parameters())
+    opt = build_dense_optimizer(cfg.optim, model.dense_parameters(), model.embeddings)
     n = len(ds)
     loader = BatchLoader(ds, GLOBAL_BATCH // world, (0, n - 2000), rank=rank, world_size=world, prefetch=0)
     losses, bwd_bytes = [], 0.0
