@@ -105,7 +105,8 @@ def half_epoch_eval(recipe: str, train_rows: int, sets: Sequence[str] = ()) -> s
 # model_config.yaml). MovielensLatest_x1 (user, item, tag: categorical only) for MovieLens; Criteo_x1 for Criteo.
 # epochs 100 is a cap: early stopping (patience 2 on validation AUC, learning rate / 10 on each plateau) ends runs.
 _COMMON = {"learning_rate": 1e-3, "batch_size": 4096, "embedding_dim": 10, "epochs": 100, "shuffle": True,
-           "monitor": "AUC", "monitor_mode": "max", "patience": 2, "net_regularizer": 0}
+           "monitor": "AUC", "monitor_mode": "max", "patience": 2, "net_regularizer": 0,
+           "max_gradient_norm": 10.0}  # fit()'s default, said here so that the parity configs are checked against it
 SETTINGS = {
     "movielens": {
         "DLRM": {**_COMMON, "source": "DLRM_movielenslatest_x1_002_333e0a39", "batch_norm": True,

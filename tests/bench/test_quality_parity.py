@@ -31,6 +31,8 @@ def test_parity_config_says_what_fuxictr_is_given(layout: str, model: str) -> No
     assert t.shuffle == "rows" and s["shuffle"]
     assert m.mlp_norm == ("batch" if s["batch_norm"] else "none")
     assert m.embedding_init_bound == pytest.approx(1e-4 * 3**0.5, rel=1e-4)  # normal(0, 1e-4)'s std
+    assert o.max_grad_norm == s["max_gradient_norm"] == 10.0  # FuxiCTR clips every gradient's norm (fit)
+    assert m.mlp_bias_init == "zero"  # FuxiCTR's reset_parameters: every nn.Linear's bias at 0
     if model == "DLRM":
         assert m.interaction == s["interaction_op"]
         assert m.top_mlp == [*s["top_mlp_units"], 1] and m.dropout == s["top_mlp_dropout"]
@@ -42,7 +44,6 @@ def test_parity_config_says_what_fuxictr_is_given(layout: str, model: str) -> No
         assert m.dcn_low_rank == 0 and not s["use_low_rank_mixture"]
         assert m.dcn_parallel_mlp == s["parallel_dnn_hidden_units"] and m.top_mlp == [1]
         assert m.dropout == s["net_dropout"] and s["dnn_activations"] == "relu"
-        assert m.mlp_bias_init == "zero"  # FuxiCTR's reset_parameters: every nn.Linear's bias at 0
 
 
 def _stats(values: list[float]) -> dict:

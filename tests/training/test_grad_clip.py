@@ -16,8 +16,9 @@ from torch import nn
 
 from recstack.config import load_config
 from recstack.data.batch import Batch, SparseFeatures
-from recstack.embedding import FusedEmbeddingBagCollection
+from recstack.embedding import FusedEmbeddingBagCollection, SparseOptimizerConfig, TableConfig
 from recstack.embedding.sparse_optim import sparse_optimizer_config
+from recstack.embedding.tiered.collection import TablePlacement, TieredEmbeddingCollection
 from recstack.errors import ConfigError
 from recstack.models.build import build_model
 from recstack.models.dlrm import DLRM
@@ -170,3 +171,13 @@ def test_bad_values_name_their_keys(overrides: list[str], keys: list[str]) -> No
         load_config(None, overrides)
     for key in keys:
         assert re.search(re.escape(key), str(e.value)), (key, str(e.value))
+
+
+def test_cached_tiers_refuse_to_defer() -> None:
+    """A plan can place shards in cached tiers without [memory] budgets: the collection refuses on its own."""
+    tables = [TableConfig("a", 40, DIM, (0,)), TableConfig("b", 30, DIM, (1,))]
+    tiered = TieredEmbeddingCollection(tables, SparseOptimizerConfig("sgd"), [TablePlacement(),
+                                                                             TablePlacement("host-cached", 8)])
+    with pytest.raises(ConfigError, match=r"optim\.max_grad_norm.*memory tiers"):
+        tiered.defer_updates()
+    tiered.close()
