@@ -359,7 +359,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         """Collective: every rank defers, or every rank raises (a rank with shards in cached tiers refuses)."""
         error: Exception | None = None
         try:
-            for c in [*self.groups.values(), *([self.replicated] if self.replicated else [])]:
+            for c in [*self.groups.values(), *([self.replicated] if self.replicated is not None else [])]:
                 cast(EmbeddingCollection, c).defer_updates()
         except Exception as e:  # decided together: a rank that raised alone would leave the rest waiting
             error = e
@@ -374,7 +374,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         return float(total) + (self.replicated.deferred_sq_norm() if self.replicated is not None else 0.0)
 
     def apply_deferred(self, scale: float) -> None:
-        for c in [*self.groups.values(), *([self.replicated] if self.replicated else [])]:
+        for c in [*self.groups.values(), *([self.replicated] if self.replicated is not None else [])]:
             cast(EmbeddingCollection, c).apply_deferred(scale)
 
     def pop_counters(self) -> dict[str, float]:
