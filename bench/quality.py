@@ -32,11 +32,13 @@ of the mean test AUCs with a 95% interval from a paired bootstrap over its test 
 both libraries' test predictions are saved for it): how much of a difference the test split can tell apart. Prints
 Markdown tables to stderr and JSON to stdout (and ``--out``):
 
-    python bench/quality.py [--quick | --smoke] [--parity] [--out bench/results/quality.json]
+    python bench/quality.py [--quick | --smoke] [--parity | --tune 20m] [--peers REPORT.json ...] [--out FILE]
 
 ``--parity`` trains recstack with each FuxiCTR model's own published settings instead of the recipe
 (``configs/parity/``, ``bench/quality_parity.py``) and reports, per model, whether it lands within the seeds'
-spread of FuxiCTR's.
+spread of FuxiCTR's. ``--tune DURATION`` runs ``recstack tune`` on each validation split instead of the recipe and
+judges ``best.toml`` over the seeds against the better FuxiCTR model (``bench/quality_tune.py``). ``--peers`` takes
+FuxiCTR's runs from earlier reports of the same splits (checked by their row counts) instead of running it again.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from quality_sources import (  # noqa: E402
     per_user_split,
     prepare_rows,
 )
+from quality_tune import run_tuned_recstack, saved_runs, tune_table, tune_verdicts  # noqa: E402
 
 CRITEO_SAMPLE = ROOT.parent / "shared" / "data" / "criteo_kaggle_sample.tsv"
 if not CRITEO_SAMPLE.is_file():  # a checkout with shared/ inside it
@@ -339,6 +342,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--parity", action="store_true",
                     help="recstack with each FuxiCTR model's settings (configs/parity/) instead of the recipe, "
                          "against that model")
+    ap.add_argument("--tune", metavar="DURATION",
+                    help="recstack tune with this budget on each data set's validation split, then best.toml per "
+                         "seed, instead of the recipe (bench/quality_tune.py)")
+    ap.add_argument("--jobs", type=int, default=2, help="--tune: trials at once (default 2, one per core)")
+    ap.add_argument("--peers", type=Path, nargs="+",
+                    help="take FuxiCTR's runs (and the recipe's, with --tune) from these earlier reports of the same "
+                         "splits instead of running FuxiCTR")
     ap.add_argument("--fuxictr-python", default=os.environ.get("FUXICTR_PYTHON", "/work/venv-fuxictr/bin/python"),
                     help="the interpreter of FuxiCTR's environment (default: $FUXICTR_PYTHON or /work/venv-fuxictr)")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "quality", help="splits, prepared data and runs")
@@ -346,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.quick or args.smoke:
         args.datasets, args.seeds = ["ml100k"], args.seeds[:1]
-    fuxictr = not (args.smoke or args.no_fuxictr)
+    fuxictr = not (args.smoke or args.no_fuxictr or args.peers)
     if fuxictr and not Path(args.fuxictr_python).is_file():
         raise SystemExit(f"{args.fuxictr_python}: no FuxiCTR environment (make bench-quality builds one, or pass "
                          "--no-fuxictr)")
@@ -357,7 +367,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[quality] {name}: preparing", file=sys.stderr, flush=True)
         ds = prepare(name, args.work, smoke=args.smoke)
         runs = []
-        for seed in args.seeds if not args.parity else ():
+        if args.tune:
+            runs += run_tuned_recstack(name, ds["layout"], args.work, args.tune, args.jobs, args.seeds)
+            print(f"[quality] {name}: {json.dumps(runs)}", file=sys.stderr, flush=True)
+        for seed in args.seeds if not (args.parity or args.tune) else ():
             runs.append(run_recstack(name, ds["layout"], ds["rows"]["train"], seed, args.work))
             print(f"[quality] {name}: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
         parity_runs = []
@@ -376,8 +389,14 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"[quality] {name}: {json.dumps(r)}", file=sys.stderr, flush=True)
                 runs += fx
         runs += parity_runs
+        if args.peers:
+            runs += [r for r in saved_runs(args.peers, name, ds["rows"], args.seeds)
+                     if r["model"].startswith("FuxiCTR") or args.tune]
         ds["runs"], ds["models"] = runs, summarize(runs)
-        if fuxictr and not args.parity:
+        if args.tune:
+            ds["tune"] = tune_verdicts(ds["models"])
+            print(f"[quality] {name}: tune {json.dumps(ds['tune'])}", file=sys.stderr, flush=True)
+        if fuxictr and not (args.parity or args.tune):
             ds["vs_best_peer"] = compare_to_best_peer(args.work / name, runs, ds["models"])
             print(f"[quality] {name}: {json.dumps(ds['vs_best_peer'])}", file=sys.stderr, flush=True)
         if parity_runs:
@@ -388,7 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.out:  # after every data set: a long run stopped part-way keeps what it measured
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if fuxictr and not args.parity:  # each data set's recipe judged on the sources it was not chosen on
+    if fuxictr and not (args.parity or args.tune):  # each recipe judged on the sources it was not chosen on
         result["loso"] = loso(result["datasets"])
         if args.out:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -397,6 +416,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("\n" + loso_table(result["loso"]), file=sys.stderr)
     if args.parity:
         print("\n" + parity_table(result), file=sys.stderr)
+    if any(ds.get("tune") for ds in result["datasets"].values()):
+        print("\n" + tune_table(result), file=sys.stderr)
     print(json.dumps(result, indent=2))
     return result
 
