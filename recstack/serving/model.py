@@ -32,6 +32,7 @@ Contract (what ``recstack serve`` and any other caller build on)::
         ``batch.oov_counts[feature]``.
     batch = model.encode_candidates(shared, candidates, ids=False) -> EncodedBatch
         One user, many candidates: row i is ``{**shared, **candidates[i]}``; a field in both is a RequestError.
+        The same batch as ``encode`` of those rows, the shared fields read once (``FeatureTransforms``).
     logits = model.score(batch) -> torch.Tensor float32 [B] on CPU (no grad; it mutates nothing, so threads may
         call it at once; probabilities are ``torch.sigmoid(logits)``)
 
@@ -269,6 +270,9 @@ class ServingModel:
             raise RequestError("shared features must be an object", "shared")
         if not isinstance(candidates, list) or not candidates:
             raise RequestError("expected a non-empty list of candidates", "candidates")
+        fast = self.transforms.encode_candidates(shared, candidates, ids)  # the shared fields read once
+        if fast is not None:
+            return self._batch(*fast)
         rows = []
         for i, c in enumerate(candidates):
             if not isinstance(c, dict):
