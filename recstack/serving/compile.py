@@ -134,11 +134,13 @@ def _prune(cache: Path) -> None:
 
 def load_checked(package: Path, model: ServingModel) -> Callable[..., torch.Tensor]:
     """The compiled program of ``package``, after it gave the graph's logits on a probe batch of ``model``'s
-    input shapes (random values); a ``RuntimeError`` naming the difference when it does not."""
+    input shapes (random values; random rows for the integer ``dense_row``); a ``RuntimeError`` naming the
+    difference when it does not."""
     runner = torch._inductor.aoti_load_package(str(package))
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        probe = [torch.randn(t.shape, generator=g, dtype=t.dtype).to(model.device)
+        probe = [(torch.randn(t.shape, generator=g, dtype=t.dtype) if t.is_floating_point()
+                  else torch.randint(0, PROBE_ROWS, t.shape, generator=g)).to(model.device)  # dense_row: rows
                  for t in model.probe_inputs(PROBE_ROWS)]
         want, got = model.graph_forward(*probe).float(), runner(*probe).float()
     if got.shape != want.shape or not torch.allclose(got, want, rtol=RTOL, atol=ATOL):

@@ -227,7 +227,8 @@ class FeatureTransforms:
     def encode_candidates(self, shared: dict[str, Any], candidates: list[Any],
                           ids: bool) -> tuple[np.ndarray, Bags, dict[str, int]] | None:
         """One user, many candidates (row i = ``{**shared, **candidates[i]}``) with the shared fields read once
-        (``columns``): what ``encode_ids`` / ``encode_raw`` give for those rows, or None when the request is
+        (``columns``): what ``encode_ids`` / ``encode_raw`` give for those rows (but dense of one row [1, d] when
+        ``shared`` holds every dense feature: the rows' dense features), or None when the request is
         not of the common form (the fields not split exactly between the two parts, a value to check one by
         one, a multi-hot or weighted feature, a schema's raw fields): the caller then encodes the rows."""
         if ids and any(f["multi_hot"] or f["weighted"] for f in self.features) or not ids and self.kind != "criteo":
@@ -250,7 +251,8 @@ class FeatureTransforms:
         n = len(candidates)
         (sd, ss), (cd, cs) = cols
         (sdn, ssn), (cdn, csn) = parts
-        dense = broadcast_columns(dense_names, sd, sdn, cd, cdn, n, axis=1)
+        # Every dense feature shared: one row of them (the model's bottom MLP then runs once, ``DenseProgram``).
+        dense = sd if not cdn else broadcast_columns(dense_names, sd, sdn, cd, cdn, n, axis=1)
         if ids:  # ids [F, n]
             return self._id_bags(dense, broadcast_columns(sparse_names, ss, ssn, cs, csn, n, axis=0))
         return self._criteo_bags(dense, broadcast_columns(sparse_names, ss, ssn, cs, csn, n, axis=1))
@@ -291,7 +293,7 @@ class FeatureTransforms:
             raise
 
     def _criteo_bags(self, dense: np.ndarray, cats: np.ndarray) -> tuple[np.ndarray, Bags, dict[str, int]]:
-        """dense float32 [B, 13] and the raw categoricals int64 [B, 26] -> (dense, bags, OOV counts)."""
+        """dense float32 [B or 1, 13] and the raw categoricals int64 [B, 26] -> (dense, bags, OOV counts)."""
         if self.mode == "hash":
             ids = cats % self.max_ind_range
             oov: dict[str, int] = {}
@@ -302,7 +304,7 @@ class FeatureTransforms:
             ids = np.where(found, pos - self.vocab_starts[:-1] + 1, 0)
             unseen = ((cats != 0) & ~found).sum(axis=0)
             oov = {name: int(c) for name, c in zip(SPARSE_NAMES, unseen, strict=True)}
-        ones = np.ones(len(dense), np.int64)
+        ones = np.ones(len(cats), np.int64)
         return dense, [(ones, ids[:, j], None) for j in range(len(SPARSE_NAMES))], oov
 
     @staticmethod

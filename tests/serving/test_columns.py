@@ -4,7 +4,10 @@ the same arrays, the same OOV counts, the same errors naming the same field."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +17,9 @@ from server_helpers import raw_criteo_rows, request_rows, shared_artifacts  # no
 from recstack.data.prepare.criteo import DENSE_NAMES, SPARSE_NAMES, transform_dense
 from recstack.serving.artifact import RequestError
 from recstack.serving.columns import criteo_columns, hex_values
+from recstack.serving.export import DenseProgram
 from recstack.serving.model import EncodedBatch, ServingModel
+from recstack.training.inference import load_model
 
 ROWS = request_rows(raw_criteo_rows(150, seed=7))
 _HEX = re.compile(r"[0-9a-fA-F]{1,8}")
@@ -64,7 +69,8 @@ def test_criteo_columns_equal_the_reference_transform() -> None:
 
 
 def same_batch(a: EncodedBatch, b: EncodedBatch) -> None:
-    assert torch.equal(a.dense, b.dense)
+    """The same rows; ``a``'s dense features may be one user's, shared by its rows."""
+    assert b.dense_row is None and torch.equal(a.dense[a.dense_rows()], b.dense)
     assert torch.equal(a.sparse.ids, b.sparse.ids) and torch.equal(a.sparse.offsets, b.sparse.offsets)
     assert a.oov_counts == b.oov_counts and a.one_id_per_bag == b.one_id_per_bag
 
@@ -94,7 +100,7 @@ def test_shared_fields_read_once_give_the_rows_batch(shared_artifacts, ids: bool
             cands = [{k: v for k, v in r.items() if k not in shared} for r in rows[:n]]
             batch = model.encode_candidates(shared, cands, ids=ids)
             same_batch(batch, model.encode([{**shared, **c} for c in cands], ids=ids))
-            assert batch.size == n
+            assert batch.size == n and (len(batch.dense) == 1 or not set(DENSE_NAMES) <= shared.keys())
     if not ids:
         assert batch.oov_counts["C3"] == 150
 
@@ -117,3 +123,43 @@ def test_shared_fields_errors_name_the_field(shared_artifacts, ids: bool) -> Non
         with pytest.raises(RequestError, match=why) as e:
             model.encode_candidates(shared, cs, ids=ids)
         assert (e.value.field, e.value.row) == (field, row), (field, e.value)
+
+
+def test_one_users_dense_features_go_through_the_bottom_mlp_once(shared_artifacts) -> None:  # noqa: F811
+    model = ServingModel.load(shared_artifacts["models"] / "1")
+    shared = {k: ROWS[0][k] for k in [*DENSE_NAMES, *SPARSE_NAMES[:13]]}
+    cands = [{k: v for k, v in r.items() if k not in shared} for r in ROWS[:100]]
+    batch = model.encode_candidates(shared, cands)
+    assert model.takes_dense_row and batch.dense.shape == (1, 13) and batch.size == 100
+    alone = model.score(batch)
+    # the rows sent whole (as `recstack predict` takes them): the bottom MLP on 100 equal rows
+    torch.testing.assert_close(alone, model.score(model.encode([{**shared, **c} for c in cands])), rtol=0, atol=1e-5)
+    # batched with other requests (the batcher's concat): each as alone
+    parts = [model.encode(ROWS[:3]), batch, model.encode(ROWS[5:6]), model.encode_candidates(shared, cands[:7])]
+    joined = EncodedBatch.concat(parts)
+    assert joined.size == 111 and joined.dense.shape == (6, 13)  # 3 + 1 + 1 + 1 dense rows
+    torch.testing.assert_close(model.score(joined), torch.cat([model.score(p) for p in parts]), rtol=0, atol=1e-5)
+
+
+def test_a_program_exported_before_dense_row_gets_each_rows_dense_features(shared_artifacts,  # noqa: F811
+                                                                           tmp_path: Path) -> None:
+    src = shared_artifacts["models"] / "1"
+    old = tmp_path / "old"
+    shutil.copytree(src, old)
+    _, dlrm = load_model(shared_artifacts["run"])
+    prog = DenseProgram(dlrm).eval()
+    batch = torch.export.Dim("batch", min=1)
+    with torch.no_grad():  # the dense program as exported before: (pooled [B, F, D], dense [B, n_dense])
+        ep = torch.export.export(prog, (torch.randn(4, 26, dlrm.embeddings.embedding_dim), torch.randn(4, 13)),
+                                 dynamic_shapes={"pooled": {0: batch}, "dense": {0: batch}})
+    ep._example_inputs = None
+    torch.export.save(ep, old / "dense.pt2")
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["dense_program"]["inputs"] = ["pooled", "dense"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    before, now = ServingModel.load(old, verify=False), ServingModel.load(src)
+    assert not before.takes_dense_row
+    shared = {k: ROWS[0][k] for k in [*DENSE_NAMES, *SPARSE_NAMES[:13]]}
+    batch_ = now.encode_candidates(shared, [{k: v for k, v in r.items() if k not in shared} for r in ROWS[:20]])
+    assert batch_.dense.shape == (1, 13)
+    torch.testing.assert_close(before.score(batch_), now.score(batch_), rtol=0, atol=1e-5)
