@@ -59,7 +59,7 @@ def hex_values(texts: list[Any]) -> np.ndarray | None:
     bounds[0], bounds[1:-1], bounds[-1] = -1, seps, len(b)
     if (np.diff(bounds) > _HEX_CHARS + 1).any():
         return None
-    left = bounds[1:][np.cumsum(sep)] - np.arange(len(b)) - 1  # digits after each byte's in its value
+    left = bounds[1:][np.cumsum(sep)] - np.arange(len(b)) - 1  # how many digits follow each byte in its value
     weighted = np.where(sep, 0, digit << (4 * np.maximum(left, 0)))
     total = np.zeros(len(b) + 1, np.int64)
     np.cumsum(weighted, out=total[1:])
