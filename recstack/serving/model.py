@@ -241,6 +241,7 @@ class ServingModel:
                 if f["table"] == name:
                     self.id_maps[k] = id_map
         self.raw_fields, self.id_fields = self.transforms.raw_fields, self.transforms.id_fields
+        self._capped = self.transforms.caps < self.transforms.rows  # [F]: features whose ids are taken modulo
 
     def _array(self, rel: str, shape: list[int], dtype: str) -> np.ndarray:
         a = read_array(self.path, self.manifest, rel, self.verify)
@@ -307,7 +308,11 @@ class ServingModel:
         dense_t = torch.from_numpy(np.ascontiguousarray(dense, np.float32))
         dense_row = torch.zeros(n, dtype=torch.int64) if len(dense) != n else None
         if not any(s["multi_hot"] for s in t.features):  # one id a bag: [F, B] ids, capped at once
-            ids = np.stack([self._rows(k, b[1]) for k, b in enumerate(bags)])
+            ids = np.stack([b[1] for b in bags])
+            if self.id_maps:
+                ids = np.stack([self._rows(k, row) for k, row in enumerate(ids)])
+            elif self._capped.any():  # every feature's modulo in one numpy call, not one a feature
+                ids = np.where(self._capped[:, None], ids % t.caps[:, None], ids)
             w = torch.ones(f * n) if t.needs_weights else None
             sparse = SparseFeatures(torch.from_numpy(ids.reshape(-1)), torch.arange(f * n + 1), f, w)
             return EncodedBatch(dense_t, sparse, oov, one_id_per_bag=True, dense_row=dense_row)
