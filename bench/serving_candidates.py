@@ -11,7 +11,9 @@ Arms, each the median of ``--reps`` interleaved repetitions over 20 different re
   ``encode_shared``: ``ServingModel.encode_candidates`` (shared fields read once, dense features one row);
 * ``score_rows``: the model call with the user's dense features repeated for every row (R = B);
   ``score_shared``: with them once (R = 1, ``dense_row``);
-* ``request_rows`` / ``request_shared``: decode the body + encode + score + the JSON answer (all but HTTP).
+* ``request_rows`` / ``request_shared``: decode the body + encode + score + the JSON answer (all but HTTP);
+* ``one_row_call`` (compiled only): ``ServingModel.score`` of one row, the compiled program called through
+  ``compile.direct_call`` against AOTInductor's own wrapper (5x the repetitions).
 
 The scores of both paths are checked equal (within 1e-5 in the logits). With ``--compile-cache`` the dense
 program is AOTInductor-compiled as ``recstack serve`` does (cached there; the first run compiles for minutes).
@@ -40,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.serving_http import body, build  # noqa: E402
 from recstack.serving.model import EncodedBatch, ServingModel  # noqa: E402
 from recstack.serving.requests import encode_json, parse_request  # noqa: E402
+
+FORMS = ("raw", "encoded")
 
 
 def rows_batch(model: ServingModel, shared: dict, cands: list[dict], ids: bool) -> EncodedBatch:
@@ -92,6 +96,24 @@ def measure(model: ServingModel, rows: list[dict], form: str, reps: int) -> dict
     return out
 
 
+def one_row_call(direct: ServingModel, wrapped: ServingModel, rows: list[dict], form: str,
+                 reps: int) -> dict[str, float]:
+    """A one-row model call of the compiled program through ``compile.direct_call`` and through AOTInductor's
+    wrapper (its tree specs parsed on every call), interleaved over 20 rows."""
+    batches = [direct.encode(rows[i:i + 1], form == "encoded") for i in range(20)]
+    for b in batches:
+        if not torch.equal(direct.score(b), wrapped.score(b)):
+            raise SystemExit("the direct call's logits differ from the wrapper's")
+    arms = {"wrapper": wrapped.score, "direct": direct.score}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for i in range(reps):
+        for name, call in random.sample(list(arms.items()), len(arms)):
+            start = time.perf_counter()
+            call(batches[i % len(batches)])
+            times[name].append(time.perf_counter() - start)
+    return {f"score_{k}_ms": round(statistics.median(v) * 1e3, 4) for k, v in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-ind-range", type=int, default=200_000)
@@ -108,9 +130,14 @@ def main() -> None:
 
             package = asyncio.run(ensure_package(model.program_path, model.device, a.compile_cache))
             model.use_compiled(load_checked(package, model))
+            wrapped = ServingModel.load(built["model"])  # the same package through AOTInductor's wrapper
+            wrapped.use_compiled(torch._inductor.aoti_load_package(str(package)))
         with torch.inference_mode():
-            result = {"compiled": model.compiled, "reps": a.reps,
-                      **{form: measure(model, built[form], form, a.reps) for form in ("raw", "encoded")}}
+            result: dict[str, Any] = {"compiled": model.compiled, "reps": a.reps,
+                                      **{form: measure(model, built[form], form, a.reps) for form in FORMS}}
+            if a.compile_cache is not None:
+                result["one_row_call"] = {form: one_row_call(model, wrapped, built[form], form, a.reps * 5)
+                                          for form in FORMS}
     text = json.dumps(result, indent=2)
     print(text)
     if a.out is not None:
