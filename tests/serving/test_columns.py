@@ -5,7 +5,6 @@ the same arrays, the same OOV counts, the same errors naming the same field."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from recstack.serving.model import EncodedBatch, ServingModel
 from recstack.training.inference import load_model
 
 ROWS = request_rows(raw_criteo_rows(150, seed=7))
-_HEX = re.compile(r"[0-9a-fA-F]{1,8}")
 
 
 def python_hex(texts: list) -> np.ndarray:
