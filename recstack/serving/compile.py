@@ -36,9 +36,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils._pytree as pytree
 
 if TYPE_CHECKING:
     from recstack.serving.model import ServingModel
@@ -132,14 +133,32 @@ def _prune(cache: Path) -> None:
         p.with_suffix(".lock").unlink(missing_ok=True)
 
 
+def direct_call(runner: Any, probe: list[torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``runner`` (an ``aoti_load_package`` model) called without its wrapper's work on every call (two tree
+    specs parsed from JSON, the inputs flattened, the output unflattened: 20 of a batch-1 call's 80 us,
+    measured in docs/serving.md), when the program takes the positional tensors ``probe`` stands for and
+    returns one tensor, as the dense program does; ``runner`` itself otherwise."""
+    loader = runner.loader
+    in_spec, out_spec = (pytree.treespec_loads(spec) for spec in loader.get_call_spec())
+    if pytree.tree_flatten(((*probe,), {}))[1] != in_spec or not out_spec.is_leaf():
+        return runner
+
+    def call(*args: torch.Tensor) -> torch.Tensor:
+        return loader.boxed_run(list(args))[0]
+
+    return call
+
+
 def load_checked(package: Path, model: ServingModel) -> Callable[..., torch.Tensor]:
     """The compiled program of ``package``, after it gave the graph's logits on a probe batch of ``model``'s
-    input shapes (random values); a ``RuntimeError`` naming the difference when it does not."""
-    runner = torch._inductor.aoti_load_package(str(package))
+    input shapes (random values; random rows for the integer ``dense_row``); a ``RuntimeError`` naming the
+    difference when it does not."""
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        probe = [torch.randn(t.shape, generator=g, dtype=t.dtype).to(model.device)
+        probe = [(torch.randn(t.shape, generator=g, dtype=t.dtype) if t.is_floating_point()
+                  else torch.randint(0, PROBE_ROWS, t.shape, generator=g)).to(model.device)  # dense_row: rows
                  for t in model.probe_inputs(PROBE_ROWS)]
+        runner = direct_call(torch._inductor.aoti_load_package(str(package)), probe)
         want, got = model.graph_forward(*probe).float(), runner(*probe).float()
     if got.shape != want.shape or not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
         diff = (got - want).abs().max().item() if got.shape == want.shape else f"shape {list(got.shape)}"

@@ -57,25 +57,33 @@ TRANSFORMS_FILE = "transforms.json"
 
 class DenseProgram(nn.Module):
     """The model after its embedding lookup: pooled [B, F', D] (F' = F + split features; with per-table dims
-    ``model.table_dims`` [B, sum of feature dims], projected here) and dense [B, n_dense] (absent without
-    dense features) -> logits [B]."""
+    ``model.table_dims`` [B, sum of feature dims], projected here), dense [R, n_dense] and dense_row [B] int64
+    (row i's dense features are ``dense[dense_row[i]]``; both absent without dense features) -> logits [B].
+
+    ``dense_row`` lets rows share their dense features: one user's request of 100 candidates sends its dense
+    features once (R = 1) and the bottom MLP runs once for it, not 100 times (the rows' bottom outputs are
+    gathered after it); a batch of independent rows sends R = B and ``arange(B)``."""
 
     def __init__(self, model: DLRM) -> None:
         super().__init__()
         self.bottom, self.interaction, self.top, self.qr = model.bottom, model.interaction, model.top, model.qr
         self.projection = model.projection
 
-    def forward(self, pooled: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, pooled: torch.Tensor, dense: torch.Tensor | None = None,
+                dense_row: torch.Tensor | None = None) -> torch.Tensor:
         if self.projection is not None:
             emb = self.projection(pooled)
         else:
             emb = self.qr.combine(pooled) if self.qr is not None else pooled
         x = self.bottom(dense) if self.bottom is not None else None
+        if x is not None and dense_row is not None:
+            x = x.index_select(0, dense_row)  # [R, D] -> [B, D]
         return self.top(self.interaction(x, emb)).squeeze(1)
 
 
 def export_program(model: DLRM, path: Path) -> None:
-    """torch.export the dense part with a dynamic batch dimension (1 .. any) and save it to ``path``."""
+    """torch.export the dense part with dynamic batch and dense-row dimensions (1 .. any each) and save it to
+    ``path``."""
     prog = DenseProgram(model).eval()
     f = model.qr.num_split_features if model.qr is not None else model.embeddings.num_features
     d, b = model.embeddings.embedding_dim, 4
@@ -84,9 +92,11 @@ def export_program(model: DLRM, path: Path) -> None:
     shape = (b, sum(model.embeddings.feature_dims)) if model.projection is not None else (b, f, d)
     args: tuple[torch.Tensor, ...] = (torch.randn(*shape, device=device),)
     shapes: dict[str, Any] = {"pooled": {0: batch}}
-    if model.num_dense:
-        args += (torch.randn(b, model.num_dense, device=device),)
-        shapes["dense"] = {0: batch}
+    if model.num_dense:  # fewer dense rows than rows in the example: the two dimensions are traced apart
+        args += (torch.randn(b - 1, model.num_dense, device=device),
+                 torch.tensor([0, 1, 2, 0][:b], device=device))
+        shapes["dense"] = {0: torch.export.Dim("dense_rows", min=1)}
+        shapes["dense_row"] = {0: batch}
     with torch.no_grad(), warnings.catch_warnings():
         # torch 2.13's own notices while tracing and saving (a deprecated pytree check; the weights grouping
         # note, about weights off the CPU, which these are not): nothing the user can act on.
@@ -214,7 +224,8 @@ def artifact_manifest(cfg: Config, model: DLRM, data: DataDescription, layout: T
         "dynamic_ids": dynamic_id_entries(model),
         "table_files": layout.files,
         "table_bytes": {"total": table_bytes, "fp32": fp32_bytes, "ratio": table_bytes / max(fp32_bytes, 1)},
-        "dense_program": {"file": PROGRAM_FILE, "inputs": ["pooled", "dense"] if model.num_dense else ["pooled"],
+        "dense_program": {"file": PROGRAM_FILE,
+                          "inputs": ["pooled", "dense", "dense_row"] if model.num_dense else ["pooled"],
                           "dynamic": {"batch": [1, None]}},
         "transforms": TRANSFORMS_FILE,
     }

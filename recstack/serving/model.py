@@ -32,10 +32,13 @@ Contract (what ``recstack serve`` and any other caller build on)::
         ``batch.oov_counts[feature]``.
     batch = model.encode_candidates(shared, candidates, ids=False) -> EncodedBatch
         One user, many candidates: row i is ``{**shared, **candidates[i]}``; a field in both is a RequestError.
+        The same batch as ``encode`` of those rows, the shared fields read once (``FeatureTransforms``).
     logits = model.score(batch) -> torch.Tensor float32 [B] on CPU (no grad; it mutates nothing, so threads may
         call it at once; probabilities are ``torch.sigmoid(logits)``)
 
-    EncodedBatch(dense [B, n_dense] float32, sparse SparseFeatures, oov_counts={}, one_id_per_bag=False)
+    EncodedBatch(dense [R, n_dense] float32, sparse SparseFeatures, oov_counts={}, one_id_per_bag=False,
+                 dense_row=None)   (dense_row [B] int64: row i's dense features are dense[dense_row[i]]; None:
+        R = B, row i's are dense[i]. ``encode_candidates`` sends the shared dense features once: R = 1)
     EncodedBatch.concat(batches) -> EncodedBatch   (dynamic batching: rows in order; split the logits by
         ``batch.size``)
 
@@ -71,18 +74,24 @@ __all__ = ["EncodedBatch", "ServingModel", "check_program_pickle_free", "load_pr
 
 @dataclass
 class EncodedBatch:
-    """Model inputs of ``size`` rows: dense float32 [B, n_dense]; sparse: F features of capped ids as the
-    training loader gives them (before the model's QR split); oov_counts: feature -> values of this batch
-    that mapped to the out-of-vocabulary row."""
+    """Model inputs of ``size`` rows: dense float32 [R, n_dense] (R = B unless ``dense_row`` is given);
+    sparse: F features of capped ids as the training loader gives them (before the model's QR split);
+    oov_counts: feature -> values of this batch that mapped to the out-of-vocabulary row; dense_row [B]
+    int64: the row of ``dense`` each row takes (None: its own)."""
 
     dense: torch.Tensor
     sparse: SparseFeatures
     oov_counts: dict[str, int] = field(default_factory=dict)
     one_id_per_bag: bool = False  # every bag holds one id (offsets = 0..F*B): concat is a reshape
+    dense_row: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
-        return int(self.dense.shape[0])
+        return int(self.dense.shape[0] if self.dense_row is None else self.dense_row.shape[0])
+
+    def dense_rows(self) -> torch.Tensor:
+        """dense_row, or [0 .. B) when every row has its own."""
+        return self.dense_row if self.dense_row is not None else torch.arange(self.size)
 
     @staticmethod
     def concat(batches: list[EncodedBatch]) -> EncodedBatch:
@@ -95,11 +104,15 @@ class EncodedBatch:
             for k, v in b.oov_counts.items():
                 oov[k] = oov.get(k, 0) + v
         dense = torch.cat([b.dense for b in batches])
+        dense_row = None
+        if any(b.dense_row is not None for b in batches):  # each batch's rows, shifted past the earlier dense rows
+            starts = np.cumsum([0] + [len(b.dense) for b in batches[:-1]]).tolist()
+            dense_row = torch.cat([b.dense_rows() + s for b, s in zip(batches, starts, strict=True)])
         if all(b.one_id_per_bag for b in batches):
             ids = torch.cat([b.sparse.ids.view(f, -1) for b in batches], dim=1).reshape(-1)
             ws = [b.sparse.weights for b in batches]
             w = torch.cat([x.view(f, -1) for x in ws], dim=1).reshape(-1) if ws[0] is not None else None  # type: ignore[union-attr]
-            return EncodedBatch(dense, SparseFeatures(ids, torch.arange(ids.numel() + 1), f, w), oov, True)
+            return EncodedBatch(dense, SparseFeatures(ids, torch.arange(ids.numel() + 1), f, w), oov, True, dense_row)
         id_parts: list[torch.Tensor] = []
         length_parts: list[torch.Tensor] = []
         weight_parts: list[torch.Tensor] = []
@@ -113,7 +126,7 @@ class EncodedBatch:
         ln = torch.cat(length_parts)
         offsets = torch.cat([ln.new_zeros(1), ln.cumsum(0)])
         w = torch.cat(weight_parts) if weight_parts else None
-        return EncodedBatch(dense, SparseFeatures(torch.cat(id_parts), offsets, f, w), oov)
+        return EncodedBatch(dense, SparseFeatures(torch.cat(id_parts), offsets, f, w), oov, dense_row=dense_row)
 
 
 def check_program_pickle_free(path: Path) -> None:
@@ -195,6 +208,8 @@ class ServingModel:
         self.program = ep.module()
         # (shape without the batch dimension, dtype) of each input of the program: what a probe batch needs
         self.input_specs = [(list(t.shape[1:]), t.dtype) for t in example_inputs(ep, 1)]
+        # Programs exported before ``dense_row`` take dense [B, n_dense]: shared dense rows are repeated for them.
+        self.takes_dense_row = "dense_row" in manifest["dense_program"].get("inputs", [])
         # The graph itself, without the hooks of torch.export's unlifted module (a check that its state was
         # not reassigned and one of the input constraints, on every call): they cost more than the graph at
         # small batches (batch 1: 0.9 ms a score with them, 0.35 ms without, measured), and the inputs are
@@ -226,6 +241,7 @@ class ServingModel:
                 if f["table"] == name:
                     self.id_maps[k] = id_map
         self.raw_fields, self.id_fields = self.transforms.raw_fields, self.transforms.id_fields
+        self._capped = self.transforms.caps < self.transforms.rows  # [F]: features whose ids are taken modulo
 
     def _array(self, rel: str, shape: list[int], dtype: str) -> np.ndarray:
         a = read_array(self.path, self.manifest, rel, self.verify)
@@ -269,6 +285,9 @@ class ServingModel:
             raise RequestError("shared features must be an object", "shared")
         if not isinstance(candidates, list) or not candidates:
             raise RequestError("expected a non-empty list of candidates", "candidates")
+        fast = self.transforms.encode_candidates(shared, candidates, ids)  # the shared fields read once
+        if fast is not None:
+            return self._batch(*fast)
         rows = []
         for i, c in enumerate(candidates):
             if not isinstance(c, dict):
@@ -281,15 +300,22 @@ class ServingModel:
 
     def _batch(self, dense: np.ndarray, bags: Bags, oov: dict[str, int]) -> EncodedBatch:
         """Per-feature bags -> feature-major SparseFeatures with ids capped (modulo, as the loader does) and
-        the weights the prepared data gives (mean pooling: 1 / bag size)."""
+        the weights the prepared data gives (mean pooling: 1 / bag size). ``dense`` of one row for bags of
+        more: every row's dense features (one user's, from ``encode_candidates``)."""
         t = self.transforms
-        n, f = len(dense), len(bags)
+        f = len(bags)
+        n = len(bags[0][0]) if bags else len(dense)
         dense_t = torch.from_numpy(np.ascontiguousarray(dense, np.float32))
+        dense_row = torch.zeros(n, dtype=torch.int64) if len(dense) != n else None
         if not any(s["multi_hot"] for s in t.features):  # one id a bag: [F, B] ids, capped at once
-            ids = np.stack([self._rows(k, b[1]) for k, b in enumerate(bags)])
+            ids = np.stack([b[1] for b in bags])
+            if self.id_maps:
+                ids = np.stack([self._rows(k, row) for k, row in enumerate(ids)])
+            elif self._capped.any():  # every feature's modulo in one numpy call, not one a feature
+                ids = np.where(self._capped[:, None], ids % t.caps[:, None], ids)
             w = torch.ones(f * n) if t.needs_weights else None
             sparse = SparseFeatures(torch.from_numpy(ids.reshape(-1)), torch.arange(f * n + 1), f, w)
-            return EncodedBatch(dense_t, sparse, oov, one_id_per_bag=True)
+            return EncodedBatch(dense_t, sparse, oov, one_id_per_bag=True, dense_row=dense_row)
         id_parts: list[np.ndarray] = []
         length_parts: list[np.ndarray] = []
         weight_parts: list[np.ndarray] = []
@@ -306,7 +332,7 @@ class ServingModel:
         sparse = SparseFeatures(torch.from_numpy(np.concatenate(id_parts).astype(np.int64)),
                                 torch.from_numpy(offsets), f,
                                 torch.from_numpy(np.concatenate(weight_parts)) if t.needs_weights else None)
-        return EncodedBatch(dense_t, sparse, oov)
+        return EncodedBatch(dense_t, sparse, oov, dense_row=dense_row)
 
     def _rows(self, k: int, ids: np.ndarray) -> np.ndarray:
         """Feature ``k``'s ids [n] -> rows of its table: through its id map (dynamic ids: unknown -> 0), else
@@ -342,5 +368,10 @@ class ServingModel:
         if self.qr is not None:
             sparse = self.qr.split(sparse)
         pooled = self.collection(sparse, batch.one_id_per_bag and self.qr is None)  # (QR splits the bags)
-        args = (pooled, batch.dense.to(self.device)) if self.num_dense else (pooled,)
-        return self._dense(*args).float().cpu()
+        if not self.num_dense:
+            return self._dense(pooled).float().cpu()
+        dense = batch.dense.to(self.device)
+        if not self.takes_dense_row:
+            dense = dense if batch.dense_row is None else dense.index_select(0, batch.dense_row.to(self.device))
+            return self._dense(pooled, dense).float().cpu()
+        return self._dense(pooled, dense, batch.dense_rows().to(self.device)).float().cpu()

@@ -36,6 +36,7 @@ from recstack.data.prepare.readers.base import BadRowLog, DataError, RawChunk
 from recstack.data.prepare.schema import ColumnsSpec, schema_from_dict
 from recstack.data.prepare.schema_prepare import load_state
 from recstack.serving.artifact import ArtifactError, RequestError
+from recstack.serving.columns import broadcast_columns, criteo_columns, id_columns, split_fields
 
 _HEX = re.compile(r"^[0-9a-fA-F]{1,8}$")
 # Per feature: bag sizes [B] int64, ids [sum] int64, weights [sum] float32 or None.
@@ -86,7 +87,6 @@ def _number(v: Any) -> bool:
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
-_NUMBER, _INT = {int, float}, {int}  # the exact types of encoded values (a bool is an int subclass: not one)
 
 
 def _float32(v: Any, field: str, row: int) -> None:
@@ -129,6 +129,8 @@ class FeatureTransforms:
         else:
             raise ArtifactError(f"{root}: transforms of unknown kind {self.kind!r}")
         self.id_fields = dense_names + self.feature_names
+        self._feature_at = {name: k for k, name in enumerate(self.feature_names)}
+        self._field_sets = {True: frozenset(self.id_fields), False: frozenset(self.raw_fields)}  # by ``ids``
 
     @staticmethod
     def load(root: Path, manifest: dict[str, Any], read: Callable[[str], np.ndarray]) -> FeatureTransforms:
@@ -168,29 +170,18 @@ class FeatureTransforms:
         return fast if fast is not None else self.encode_ids_each(rows)
 
     def _ids_by_column(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]] | None:
-        """Vectorised ``encode_ids`` of rows whose values are all of the common form and in range; None when
-        any is not. One list and one array for all dense values, one for all ids (not one per
-        feature): a request of one row costs a handful of numpy calls, not a few per feature."""
+        """Vectorised ``encode_ids`` of rows whose values are all of the common form and in range
+        (``columns.id_columns``); None when any is not."""
         if any(f["multi_hot"] or f["weighted"] for f in self.features):
             return None
-        n, d, f = len(rows), len(self.dense_names), len(self.feature_names)
-        values = [r[name] for r in rows for name in self.dense_names]
-        if not set(map(type, values)) <= _NUMBER:  # exact types, checked in C: no bool, no str
-            return None
-        keys = [r[name] for r in rows for name in self.feature_names]
-        if not set(map(type, keys)) <= _INT:
-            return None
-        try:
-            dense = np.array(values, np.float64).reshape(n, d)  # [B, d]
-            ids = np.array(keys, np.int64).reshape(n, f).T  # [F, B]
-        except OverflowError:  # an integer past int64 / float64
-            return None
-        if not (np.abs(dense) <= _F32_MAX).all():  # NaN fails this too
-            return None
-        if ((ids < 0) | (ids >= self.rows[:, None])).any():
-            return None
-        ones = np.ones(n, np.int64)
-        return dense.astype(np.float32), [(ones, ids[k], None) for k in range(f)], {}
+        cols = id_columns(rows, self.dense_names, self.feature_names, self.rows)
+        return None if cols is None else self._id_bags(*cols)
+
+    @staticmethod
+    def _id_bags(dense: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, Bags, dict[str, int]]:
+        """dense float32 [B, d] and one id a bag [F, B] -> (dense, bags, no OOV counts)."""
+        ones = np.ones(ids.shape[1], np.int64)
+        return dense, [(ones, ids[k], None) for k in range(len(ids))], {}
 
     def encode_ids_each(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
         """``encode_ids`` value by value, naming the first bad one (RequestError)."""
@@ -232,6 +223,40 @@ class FeatureTransforms:
             bags.append((ln, np.array(ids, np.int64), np.array(weights, np.float32)))
         return dense, bags, {}
 
+    # ---------------------------------------------------------------------------------------- one user
+    def encode_candidates(self, shared: dict[str, Any], candidates: list[Any],
+                          ids: bool) -> tuple[np.ndarray, Bags, dict[str, int]] | None:
+        """One user, many candidates (row i = ``{**shared, **candidates[i]}``) with the shared fields read once
+        (``columns``): what ``encode_ids`` / ``encode_raw`` give for those rows (but dense of one row [1, d] when
+        ``shared`` holds every dense feature: the rows' dense features), or None when the request is
+        not of the common form (the fields not split exactly between the two parts, a value to check one by
+        one, a multi-hot or weighted feature, a schema's raw fields): the caller then encodes the rows."""
+        if ids and any(f["multi_hot"] or f["weighted"] for f in self.features) or not ids and self.kind != "criteo":
+            return None
+        own = split_fields(shared, candidates, self._field_sets[ids])
+        if own is None:
+            return None
+        mine = set(own)
+        dense_names = self.dense_names if ids else DENSE_NAMES
+        sparse_names = self.feature_names if ids else SPARSE_NAMES
+        parts = [([x for x in dense_names if x not in mine], [x for x in sparse_names if x not in mine]),
+                 ([x for x in dense_names if x in mine], [x for x in sparse_names if x in mine])]
+        cols = []
+        for rows, (dn, sn) in zip(([shared], candidates), parts, strict=True):
+            col = (id_columns(rows, dn, sn, self.rows[[self._feature_at[x] for x in sn]]) if ids
+                   else criteo_columns(rows, dn, sn))
+            if col is None:
+                return None
+            cols.append(col)
+        n = len(candidates)
+        (sd, ss), (cd, cs) = cols
+        (sdn, ssn), (cdn, csn) = parts
+        # Every dense feature shared: one row of them (the model's bottom MLP then runs once, ``DenseProgram``).
+        dense = sd if not cdn else broadcast_columns(dense_names, sd, sdn, cd, cdn, n, axis=1)
+        if ids:  # ids [F, n]
+            return self._id_bags(dense, broadcast_columns(sparse_names, ss, ssn, cs, csn, n, axis=0))
+        return self._criteo_bags(dense, broadcast_columns(sparse_names, ss, ssn, cs, csn, n, axis=1))
+
     # ---------------------------------------------------------------------------------------- raw
     def encode_raw(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, Bags, dict[str, int]]:
         """Raw rows as in the data -> (dense float32 [B, d], bags, {feature: values mapped to the
@@ -245,6 +270,12 @@ class FeatureTransforms:
         """Raw Criteo rows -> (dense float32 [B, 13], bags, OOV counts). All values of a kind go
         through one list and one array (a lone row costs a few numpy calls, not a few per field);
         when any is wrong, ``_criteo_error`` goes field by field to name it."""
+        cols = criteo_columns(rows, DENSE_NAMES, SPARSE_NAMES)
+        return self._criteo_bags(*(cols if cols is not None else self._criteo_each(rows)))
+
+    def _criteo_each(self, rows: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        """``criteo_columns`` through Python's own parsers, for rows it did not take: (dense float32 [B, 13],
+        raw categoricals int64 [B, 26]), or RequestError naming the first bad value."""
         n = len(rows)
         values = [r[name] for r in rows for name in DENSE_NAMES]
         big = 10**18
@@ -252,16 +283,17 @@ class FeatureTransforms:
         if not all(in_range):
             self._criteo_error(rows)
         raw = np.array([0 if v is None else v for v in values], np.int64)
-        raw = raw.reshape(n, len(DENSE_NAMES))  # [B, 13]
-        dense = transform_dense(raw, in_place=True)
+        dense = transform_dense(raw.reshape(n, len(DENSE_NAMES)), in_place=True)  # [B, 13]
         texts = [r[name] for r in rows for name in SPARSE_NAMES]
         try:
-            hexes = [0 if v is None or v == "" else (int(v, 16) if _HEX.match(v) else _bad())
-                     for v in texts]
-            cats = np.array(hexes, np.int64).reshape(n, len(SPARSE_NAMES))  # [B, 26]
+            hexes = [0 if v is None or v == "" else (int(v, 16) if _HEX.match(v) else _bad()) for v in texts]
+            return dense, np.array(hexes, np.int64).reshape(n, len(SPARSE_NAMES))  # [B, 26]
         except (TypeError, ValueError):
             self._criteo_error(rows)
             raise
+
+    def _criteo_bags(self, dense: np.ndarray, cats: np.ndarray) -> tuple[np.ndarray, Bags, dict[str, int]]:
+        """dense float32 [B or 1, 13] and the raw categoricals int64 [B, 26] -> (dense, bags, OOV counts)."""
         if self.mode == "hash":
             ids = cats % self.max_ind_range
             oov: dict[str, int] = {}
@@ -272,7 +304,7 @@ class FeatureTransforms:
             ids = np.where(found, pos - self.vocab_starts[:-1] + 1, 0)
             unseen = ((cats != 0) & ~found).sum(axis=0)
             oov = {name: int(c) for name, c in zip(SPARSE_NAMES, unseen, strict=True)}
-        ones = np.ones(n, np.int64)
+        ones = np.ones(len(cats), np.int64)
         return dense, [(ones, ids[:, j], None) for j in range(len(SPARSE_NAMES))], oov
 
     @staticmethod

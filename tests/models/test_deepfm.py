@@ -79,4 +79,4 @@ def test_deepfm_exports_for_serving(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(2)
     pooled, dense = torch.randn(3, len(SIZES), D + 1, generator=g), torch.randn(3, 3, generator=g)
     with torch.no_grad():
-        torch.testing.assert_close(program(pooled, dense), DenseProgram(net)(pooled, dense))
+        torch.testing.assert_close(program(pooled, dense, torch.arange(3)), DenseProgram(net)(pooled, dense))

@@ -61,6 +61,21 @@ def test_a_served_version_switches_to_its_compiled_program(shared_artifacts, cac
     assert len(list(cache.glob("*.pt2"))) == 1
 
 
+def test_the_compiled_program_is_called_through_its_loader(shared_artifacts, cache) -> None:  # noqa: F811
+    model = ServingModel.load(shared_artifacts["models"] / "1")
+    package = asyncio.run(ensure_package(model.program_path, model.device, cache))
+    wrapped = torch._inductor.aoti_load_package(str(package))
+    runner = load_checked(package, model)
+    assert runner is not wrapped  # direct_call: the loader's boxed_run, not the wrapper's __call__
+    user = {k: v for k, v in ROWS[0].items() if k.startswith("I") or int(k[1:]) <= 13}
+    for batch in (model.encode(ROWS), model.encode_candidates(user, [{k: v for k, v in r.items() if k not in user}
+                                                                      for r in ROWS])):
+        with torch.inference_mode():
+            args = (model.collection(batch.sparse, True), batch.dense, batch.dense_rows())
+            assert torch.equal(runner(*args), wrapped(*args))
+            np.testing.assert_allclose(runner(*args).numpy(), model.graph_forward(*args).numpy(), rtol=0, atol=1e-5)
+
+
 def test_a_compiled_program_that_differs_from_the_graph_is_refused(shared_artifacts, cache) -> None:  # noqa: F811
     model = ServingModel.load(shared_artifacts["models"] / "1")
     package = asyncio.run(ensure_package(model.program_path, model.device, cache))

@@ -53,4 +53,5 @@ def test_a_qr_program_traced_on_the_cpu_moves_whole_to_another_device(
     assert _devices(load_program(path, torch.device("meta"))) == {"meta"}
     pooled, dense = torch.randn(6, model.qr.num_split_features, 4), torch.randn(6, 3)
     with torch.no_grad():
-        assert torch.equal(on_cpu(pooled, dense), DenseProgram(model)(pooled, dense))
+        rows = torch.arange(6)  # each row its own dense features
+        assert torch.equal(on_cpu(pooled, dense, rows), DenseProgram(model)(pooled, dense))

@@ -77,6 +77,28 @@ def test_one_user_many_candidates(server, artifacts) -> None:
     np.testing.assert_allclose(r.json()["scores"], server.score({"rows": merged}).json()["scores"], atol=1e-6)
 
 
+def test_one_users_dense_features_scored_once_as_the_whole_rows(server, artifacts) -> None:
+    # bench/serving_http.py's request: every dense feature shared, read once and through the bottom MLP once
+    model = ServingModel.load(artifacts["models"] / "1")
+    user = {k: v for k, v in ROWS[0].items() if k.startswith("I") or int(k[1:]) <= 13}
+    candidates = [{k: v for k, v in row.items() if k not in user} for row in ROWS[:40]]
+    assert model.encode_candidates(user, candidates).dense.shape == (1, 13)
+    merged = [{**user, **c} for c in candidates]
+    for encoded in (False, True):
+        batch = model.encode(merged)
+        if encoded:  # the same rows as prepared values and ids
+            ids = batch.sparse.ids.view(26, len(merged))
+            merged = [{**{f"I{j + 1}": float(batch.dense[i, j]) for j in range(13)},
+                       **{f"C{f + 1}": int(ids[f, i]) for f in range(26)}} for i in range(len(merged))]
+            user = {k: merged[0][k] for k in user}
+            candidates = [{k: v for k, v in row.items() if k not in user} for row in merged]
+        r = server.score({"shared": user, "candidates": candidates, "encoded": encoded, "return_logit": True})
+        assert r.status_code == 200, r.text
+        with torch.inference_mode():  # the offline scores of the whole rows
+            want = model.score(model.encode(merged, ids=encoded)).numpy()
+        np.testing.assert_allclose(r.json()["logits"], want, rtol=0, atol=1e-5)
+
+
 def test_concurrent_requests_each_get_their_own_scores(server, artifacts) -> None:
     batches_before = server.metric("recstack_batch_rows_count")
     requests = [ROWS[i:i + 1 + i % 5] for i in range(12)]
